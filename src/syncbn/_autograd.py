@@ -1,0 +1,185 @@
+"""The autograd function behind SyncBatchNorm in training.
+
+One collective in forward, one in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from syncbn import _stats, distributed
+
+__all__ = ["LayerInfo", "report_invalid_input", "sync_batch_norm_train"]
+
+_SAME_CALLS_RULE = (
+    "every rank must call every SyncBatchNorm layer the same number of times, in the same "
+    "order, with the same number of channels (also in backward: the same layers must receive "
+    "gradients on every rank)"
+)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What identifies one call of a SyncBatchNorm layer in error messages and fingerprints.
+
+    Attributes:
+        name: the layer's module path (set by ``convert_sync_batchnorm``), or ``""``.
+        num_features: the layer's channel count.
+        call_index: how many synchronized calls this layer had made before this one.
+        check_layer_order: whether the fingerprint is checked after each collective.
+    """
+
+    name: str
+    num_features: int
+    call_index: int = 0
+    check_layer_order: bool = True
+
+    @property
+    def fingerprint(self) -> int:
+        return _stats.fingerprint(self.name, self.num_features) if self.check_layer_order else 0
+
+    def describe(self) -> str:
+        name = repr(self.name) if self.name else "<unnamed>"
+        return (
+            f"SyncBatchNorm layer {name} (num_features={self.num_features}, call {self.call_index})"
+        )
+
+
+def _check_header(header: _stats.Header, world_size: int, layer: LayerInfo, phase: str) -> None:
+    """Raise on every rank if a rank reported invalid input or ranks reached different layers."""
+    if header.errors:
+        raise RuntimeError(
+            f"{header.errors} other rank(s) reported invalid input to their SyncBatchNorm layer in "
+            f"{phase} while this rank was at {layer.describe()}; see the error raised on that rank"
+        )
+    own = layer.fingerprint
+    if header.fingerprint_sum != world_size * own or (
+        header.fingerprint_square_sum != world_size * own * own
+    ):
+        raise RuntimeError(
+            f"SyncBatchNorm layer mismatch in {phase}: this rank is at {layer.describe()}, but "
+            f"other ranks of the process group are at a different layer in the same collective; "
+            f"{_SAME_CALLS_RULE}. To disable this check set `check_layer_order = False` on the "
+            "layers (or pass check_layer_order=False to convert_sync_batchnorm)."
+        )
+
+
+def report_invalid_input(
+    layer: LayerInfo, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
+    """Join the forward collective with an error flag, so that other ranks raise, not wait."""
+    zeros = torch.zeros(layer.num_features, dtype=torch.float64, device=device)
+    buffer = _stats.pack_forward(0, zeros, zeros, layer.fingerprint, error=True)
+    distributed.all_reduce_sum_(buffer, group)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalization with statistics and input gradients reduced over a process group."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        layer: LayerInfo,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        local_count = input.numel() // input.shape[1]
+        local_mean, local_var = _stats.local_moments(input)
+        buffer = _stats.pack_forward(local_count, local_mean, local_var, layer.fingerprint)
+        distributed.all_reduce_sum_(buffer, group)
+
+        # One small host read serves both checks; on CPU it is free, on accelerators it waits
+        # for the collective that the normalization below needs anyway.
+        header, global_count = _stats.read_header(buffer, with_count=True)
+        _check_header(header, world_size, layer, "forward")
+        if global_count <= 1:
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got input size "
+                f"{input.size()} on this rank and {global_count} value(s) per channel across "
+                f"all {world_size} ranks"
+            )
+
+        moments = _stats.unpack_forward(buffer)
+        dtype = _stats.stat_dtype(input.dtype)
+        mean, var = moments.mean.to(dtype), moments.var.to(dtype)
+        output = F.batch_norm(
+            input,
+            mean,
+            var,
+            None if weight is None else weight.to(dtype),
+            None if bias is None else bias.to(dtype),
+            False,
+            0.0,
+            eps,
+        )
+        ctx.save_for_backward(input, weight, mean, var)
+        ctx.count = moments.n
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.eps = eps
+        ctx.group = group
+        ctx.world_size = world_size
+        ctx.layer = layer
+        unbiased_var = moments.var * (moments.n / (moments.n - 1))
+        ctx.mark_non_differentiable(moments.mean, unbiased_var)
+        return output, moments.mean, unbiased_var
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        input, weight, mean, var = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
+
+        grad_input: torch.Tensor | None = None
+        if need_input:
+            buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, ctx.layer.fingerprint)
+            distributed.all_reduce_sum_(buffer, ctx.group)
+            if ctx.layer.check_layer_order:
+                header, _count = _stats.read_header(buffer)
+                _check_header(header, ctx.world_size, ctx.layer, "backward")
+            global_sum_dy, global_sum_dy_xhat = _stats.unpack_backward(buffer)
+            grad_input = _stats.input_grad(
+                grad_output,
+                input,
+                mean,
+                torch.rsqrt(var + ctx.eps),
+                weight,
+                global_sum_dy / ctx.count,
+                global_sum_dy_xhat / ctx.count,
+            )
+        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
+        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def sync_batch_norm_train(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    layer: LayerInfo,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalize ``input`` with statistics of the global batch over ``group``.
+
+    Returns:
+        ``(output, mean, unbiased_var)``: the normalized output (differentiable) and the
+        global float64 mean and unbiased variance, for the running statistics.
+    """
+    output, mean, unbiased_var = _SyncBatchNormFunction.apply(
+        input, weight, bias, eps, group, world_size, layer
+    )
+    return output, mean, unbiased_var

@@ -1,0 +1,240 @@
+"""Pure statistics maths for synchronized batch normalization.
+
+Nothing in this module knows about processes or ``torch.distributed``: it turns a
+local batch into a packed buffer of moments, turns an all-reduced buffer back into
+global statistics, and does the same for the backward reductions. The collective
+that sums the buffers over ranks lives in :mod:`syncbn.distributed`.
+
+Why this buffer layout
+----------------------
+Each rank contributes ``(n, n * mean, n * (var + mean**2))`` per channel in
+float64, where ``mean`` and ``var`` are the rank's own (biased) moments. Summing
+these over ranks gives the global count ``N``, ``N * mean_g`` and
+``N * E_g[x**2]`` in one all_reduce of ``2 * C + 4`` numbers, whatever the world
+size (``torch.nn.SyncBatchNorm`` all_gathers ``world_size * (2 * C + 1)``).
+
+The global variance is then ``E_g[x**2] - mean_g**2``. In float32 that difference
+cancels catastrophically for data whose mean is large compared with its standard
+deviation; in float64 the relative error of the variance is about
+``1e-16 * (mean / std)**2``, i.e. 1e-8 for ``|mean| / std = 1e4``. The local moments
+themselves are computed on data shifted by one sample of each channel, so they do
+not suffer from the same cancellation in float32.
+
+Every buffer starts with a three-number header, ``(error, fingerprint,
+fingerprint**2)``. ``error`` is 1 on a rank that found its input invalid and joins
+the collective only so that no other rank is left waiting. The fingerprint
+identifies the layer; if all ranks reached the same layer, the sums equal
+``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``, and if any
+two ranks differ, the sums differ on every rank (equal mean and mean square imply
+zero spread). The fingerprint is an integer below ``2**16`` so all sums are exact.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "HEADER_SIZE",
+    "GlobalMoments",
+    "Header",
+    "backward_sums",
+    "fingerprint",
+    "input_grad",
+    "local_moments",
+    "pack_backward",
+    "pack_forward",
+    "read_header",
+    "reduction_dims",
+    "stat_dtype",
+    "unpack_backward",
+    "unpack_forward",
+]
+
+#: Number of leading float64 slots every packed buffer reserves for its header.
+HEADER_SIZE = 3
+_COUNT_SLOT = HEADER_SIZE
+_PACK_DTYPE = torch.float64
+
+
+class Header(NamedTuple):
+    """Header of an all-reduced buffer, read back on the host."""
+
+    errors: int
+    fingerprint_sum: float
+    fingerprint_square_sum: float
+
+
+class GlobalMoments(NamedTuple):
+    """Global statistics of one channel-wise batch, as float64 tensors of shape ``(C,)``."""
+
+    n: torch.Tensor
+    mean: torch.Tensor
+    var: torch.Tensor
+
+
+def reduction_dims(ndim: int) -> list[int]:
+    """Dimensions to reduce over for an ``(N, C, *)`` input: all but the channel dim."""
+    return [0, *range(2, ndim)]
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype in which the statistics of an input of ``dtype`` are accumulated.
+
+    float64 stays float64; every other floating dtype accumulates in float32.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fingerprint(layer_name: str, num_features: int) -> int:
+    """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
+    return zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
+
+
+def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
+    """View a ``(C,)`` vector so it broadcasts against an ``(N, C, *)`` tensor of ``ndim`` dims."""
+    return vector.view([1, -1] + [1] * (ndim - 2))
+
+
+def local_moments(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Biased per-channel mean and variance of a local batch, in float64.
+
+    The data are shifted by their first sample in each channel before summing, so
+    that float32 accumulation does not cancel for inputs whose mean is large
+    compared with their spread. An empty batch gives zeros (it contributes nothing
+    once weighted by its count of 0).
+
+    Args:
+        input: tensor of shape ``(N, C, *)``.
+
+    Returns:
+        ``(mean, var)``, two float64 tensors of shape ``(C,)``.
+    """
+    num_channels = input.shape[1]
+    if input.numel() == 0:
+        zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
+        return zeros, zeros.clone()
+    count = input.numel() // num_channels
+    dims = reduction_dims(input.dim())
+    first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
+    shift = input.detach()[first_sample].to(stat_dtype(input.dtype))
+    centered = input.detach() - _channel_view(shift, input.dim())
+    shifted_sum = centered.sum(dims, dtype=_PACK_DTYPE)
+    shifted_square_sum = centered.square().sum(dims, dtype=_PACK_DTYPE)
+    shifted_mean = shifted_sum / count
+    var = (shifted_square_sum / count - shifted_mean.square()).clamp_(min=0)
+    return shift.to(_PACK_DTYPE) + shifted_mean, var
+
+
+def _pack(header: list[float], *vectors: torch.Tensor) -> torch.Tensor:
+    device = vectors[0].device
+    head = torch.tensor(header, dtype=_PACK_DTYPE).to(device, non_blocking=True)
+    return torch.cat([head, *(v.to(_PACK_DTYPE) for v in vectors)])
+
+
+def pack_forward(
+    count: int, mean: torch.Tensor, var: torch.Tensor, fingerprint: int, error: bool = False
+) -> torch.Tensor:
+    """Pack one rank's forward contribution into a float64 buffer of size ``2 * C + 4``.
+
+    Layout: ``[error, f, f**2, n, n * mean (C), n * (var + mean**2) (C)]``.
+    """
+    f = float(fingerprint)
+    return _pack(
+        [float(error), f, f * f, float(count)], count * mean, count * (var + mean.square())
+    )
+
+
+def unpack_forward(buffer: torch.Tensor) -> GlobalMoments:
+    """Global count, mean and biased variance from an all-reduced forward buffer.
+
+    The count is clamped to at least 1 so that an (already reported) empty global
+    batch cannot divide by zero.
+    """
+    sums = buffer[_COUNT_SLOT + 1 :]
+    num_channels = sums.numel() // 2
+    count = buffer[_COUNT_SLOT].clamp(min=1)
+    mean = sums[:num_channels] / count
+    var = (sums[num_channels:] / count - mean.square()).clamp_(min=0)
+    return GlobalMoments(count, mean, var)
+
+
+def read_header(buffer: torch.Tensor, with_count: bool = False) -> tuple[Header, int]:
+    """Copy an all-reduced buffer's header (and the forward count) to the host.
+
+    Returns:
+        The header and the global count per channel (``-1`` unless ``with_count``).
+    """
+    values = buffer[: _COUNT_SLOT + int(with_count)].tolist()
+    header = Header(int(values[0]), values[1], values[2])
+    return header, int(values[_COUNT_SLOT]) if with_count else -1
+
+
+def pack_backward(
+    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int
+) -> torch.Tensor:
+    """Pack one rank's backward reductions: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C)]``."""
+    f = float(fingerprint)
+    return _pack([0.0, f, f * f], sum_dy, sum_dy_xhat)
+
+
+def unpack_backward(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``sum(dy)`` and ``sum(dy * xhat)`` from an all-reduced backward buffer."""
+    sums = buffer[HEADER_SIZE:]
+    num_channels = sums.numel() // 2
+    return sums[:num_channels], sums[num_channels:]
+
+
+def backward_sums(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local per-channel ``sum(dy)`` and ``sum(dy * xhat)``.
+
+    Here ``xhat = (x - mean) / sqrt(var + eps)``.
+
+    Both come from one fused pass of ``native_batch_norm_backward`` in eval mode,
+    which returns exactly these sums as the bias and weight gradients.
+
+    Returns:
+        ``(sum_dy, sum_dy_xhat)`` in the statistics dtype, shape ``(C,)``.
+    """
+    if input.numel() == 0:
+        zeros = mean.new_zeros(mean.shape)
+        return zeros, zeros.clone()
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, None, mean, var, None, None, False, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat
+
+
+def input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean_dy: torch.Tensor,
+    mean_dy_xhat: torch.Tensor,
+) -> torch.Tensor:
+    r"""Input gradient of batch normalization given the *global* reductions.
+
+    .. math::
+        dx = w \cdot \sigma^{-1} \left(dy - \overline{dy} - \hat{x}\,\overline{dy\,\hat{x}}\right)
+
+    written as ``dx = a * dy + b * x + c`` with per-channel ``a, b, c`` so that the
+    elementwise work is two fused multiply-adds.
+    """
+    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    x_coef = -scale * invstd * mean_dy_xhat.to(invstd.dtype)
+    offset = -scale * mean_dy.to(invstd.dtype) - x_coef * mean
+    ndim = input.dim()
+    grad_input = torch.addcmul(
+        _channel_view(offset, ndim), input, _channel_view(x_coef, ndim)
+    ).addcmul_(grad_output, _channel_view(scale, ndim))
+    return grad_input.to(input.dtype)

@@ -1,0 +1,166 @@
+"""SyncBatchNorm: the module users put in their models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from syncbn._autograd import LayerInfo
+from syncbn.functional import _input_problem, _sync_batch_norm
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalization over the global batch of all ranks of a process group.
+
+    Applies Batch Normalization over an :math:`(N, C, *)` input, like
+    :class:`torch.nn.BatchNorm1d`/``2d``/``3d``:
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    In training, with a process group of more than one rank, the mean and the
+    (biased) variance are computed per channel over the *global* batch: the
+    concatenation of every rank's local batch. Local batch sizes may differ between
+    ranks and may be 0 on some of them. Outputs, input gradients and running
+    statistics then equal those of ``torch.nn.BatchNorm*`` run in one process on the
+    global batch; weight and bias gradients are each rank's share, and sum over
+    ranks (as DistributedDataParallel does) to the single-process gradients.
+    ``running_var`` is updated with the unbiased global variance, and
+    ``momentum=None`` gives a cumulative moving average, as in torch.
+
+    Each training call costs one ``all_reduce`` of ``2 * C + 4`` float64 values in
+    forward and one of ``2 * C + 3`` in backward, whatever the world size, on any
+    device and any backend that supports ``all_reduce`` (gloo on CPU, nccl on CUDA).
+
+    .. note::
+        Statistics are synchronized only in training mode. In eval mode the layer
+        never communicates: it uses the running statistics, or with
+        ``track_running_stats=False`` the local batch's statistics. Without an
+        initialized process group, or with a group of one rank, it is exactly
+        :class:`torch.nn.BatchNorm2d` (for any input rank).
+
+    .. note::
+        Every rank of the process group must call every SyncBatchNorm layer the same
+        number of times, in the same order, in forward and in backward. A rank with
+        nothing to process still calls the layer with an empty batch. When ranks
+        reach different layers, each rank raises a ``RuntimeError`` naming its layer
+        (set ``check_layer_order = False`` to skip the check).
+
+    Args:
+        num_features: number of channels :math:`C` of an :math:`(N, C, *)` input.
+        eps: value added to the variance for numerical stability. Default: 1e-5
+        momentum: factor of the running statistics update, or ``None`` for a
+            cumulative moving average. Default: 0.1
+        affine: learnable per-channel scale and shift. Default: ``True``
+        track_running_stats: keep running mean and variance for eval mode.
+            Default: ``True``
+        process_group: ranks to synchronize over; the default group if ``None``.
+            Default: ``None``
+        device: device of the parameters and buffers. Default: ``None``
+        dtype: dtype of the parameters and buffers. Default: ``None``
+
+    Attributes:
+        layer_name: the layer's module path, used in error messages and in the
+            layer-order check; set by :func:`syncbn.convert_sync_batchnorm`.
+        check_layer_order: verify after each collective that all ranks reached
+            the same layer. Default: ``True``
+
+    Shape:
+        - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.
+        - Output: :math:`(N, C, *)`, same shape and memory format as the input.
+
+    Examples::
+
+        >>> # after torch.distributed.init_process_group(...) on every rank
+        >>> bn = syncbn.SyncBatchNorm(64)
+        >>> x = torch.randn(2, 64, 28, 28)
+        >>> y = bn(x)  # normalized with the statistics of all ranks' batches
+        >>> # or convert an existing model
+        >>> model = syncbn.convert_sync_batchnorm(torchvision.models.resnet50())
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
+        )
+        self.process_group = process_group
+        self.layer_name = ""
+        self.check_layer_order = True
+        self.last_input_dim: int | None = None
+        self._sync_calls = 0
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        problem = _input_problem(input, self.num_features)
+        if problem is not None:
+            raise problem
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            # Eval never communicates: exactly torch's BatchNorm.
+            self._check_input_dim(input)
+            self.last_input_dim = input.dim()
+            bn_training = self.running_mean is None and self.running_var is None
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                bn_training,
+                0.0,
+                self.eps,
+            )
+
+        layer = LayerInfo(
+            self.layer_name, self.num_features, self._sync_calls, self.check_layer_order
+        )
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked + 1)
+        output = _sync_batch_norm(
+            input,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            True,
+            factor,
+            self.eps,
+            self.process_group,
+            layer,
+        )
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        self.last_input_dim = input.dim()
+        self._sync_calls += 1
+        return output
+
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> torch.nn.Module:
+        """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
+
+        An alias of :func:`syncbn.convert_sync_batchnorm`, for code written for
+        ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
+        """
+        from syncbn.convert import convert_sync_batchnorm
+
+        return convert_sync_batchnorm(module, process_group)

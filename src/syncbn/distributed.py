@@ -1,0 +1,138 @@
+"""Process-group helpers and the one collective syncbn issues.
+
+Everything that touches ``torch.distributed`` lives here; this module knows
+nothing about batch normalization. Scale-out (rendezvous, transport, launch) is
+``torch.distributed``'s job: syncbn only calls ``all_reduce`` on a group the user
+created.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce_sum_",
+    "check_device_backend",
+    "create_process_group",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+]
+
+
+def is_distributed() -> bool:
+    """True when ``torch.distributed`` is available and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (the default group if ``None``); 1 when not distributed.
+
+    Raises:
+        RuntimeError: if ``group`` is given but does not contain this rank.
+    """
+    if not is_distributed():
+        return 1
+    if not isinstance(group, (dist.ProcessGroup, type(None))):
+        # dist.new_group() returns GroupMember.NON_GROUP_MEMBER to ranks outside the group.
+        raise RuntimeError(
+            f"process_group does not contain this rank (global rank {dist.get_rank()}); "
+            "every rank that calls SyncBatchNorm must belong to its process group"
+        )
+    return dist.get_world_size(group)
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This rank's index in ``group``; 0 when not distributed."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+@functools.cache
+def _supported_device_types(backend: str) -> frozenset[str] | None:
+    """Device types a backend (or a ``"cpu:gloo,cuda:nccl"`` spec) can all_reduce, if known."""
+    capability = getattr(dist.Backend, "backend_capability", None)
+    if capability is None:  # torch < 2.2 has no capability table: let the collective decide
+        return None
+    devices: set[str] = set()
+    for part in backend.split(","):
+        if ":" in part:
+            device_type, name = part.split(":", 1)
+            if name.strip().lower() in capability:
+                devices.add(device_type.strip())
+            continue
+        if part.strip().lower() not in capability:
+            return None  # a third-party backend: we cannot know, let the collective decide
+        devices.update(capability[part.strip().lower()])
+    return frozenset(devices)
+
+
+def check_device_backend(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Raise a clear error if ``group``'s backend cannot all_reduce tensors on ``device``.
+
+    Raises:
+        RuntimeError: naming the device type and the backend, e.g. CPU tensors on an
+            nccl group.
+    """
+    backend = str(dist.get_backend(group))
+    supported = _supported_device_types(backend)
+    if supported is not None and device.type not in supported:
+        raise RuntimeError(
+            f"SyncBatchNorm input is on device type '{device.type}' but the process group's "
+            f"backend '{backend}' only supports {sorted(supported)}; move the model and its "
+            "input to a supported device, or pass a process_group created with a backend that "
+            "supports this device (e.g. gloo for cpu, nccl for cuda)"
+        )
+
+
+def all_reduce_sum_(buffer: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``buffer`` in place over all ranks of ``group``: one ``all_reduce``, synchronous.
+
+    Errors raised by the backend (including a timeout when another rank never
+    joins) are re-raised with the same type, prefixed with what syncbn was doing.
+    """
+    try:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as error:
+        raise type(error)(
+            f"SyncBatchNorm all_reduce of {buffer.numel()} values on device "
+            f"'{buffer.device}' failed (backend '{dist.get_backend(group)}'). If other ranks "
+            "stopped calling SyncBatchNorm, check that every rank calls every SyncBatchNorm "
+            f"layer the same number of times, in the same order. Backend error: {error}"
+        ) from error
+    return buffer
+
+
+def create_process_group(group_size: int) -> dist.ProcessGroup:
+    """Split the world into consecutive blocks of ``group_size`` ranks; return this rank's block.
+
+    This is a collective: every rank of the default group must call it, with the
+    same ``group_size``. Use it to synchronize statistics within a node, e.g.
+    ``create_process_group(torch.cuda.device_count())``.
+
+    Args:
+        group_size: number of ranks per block; must divide the world size.
+
+    Returns:
+        The process group of the block that contains this rank.
+
+    Raises:
+        RuntimeError: if no default process group is initialized.
+        ValueError: if ``group_size`` is not positive or does not divide the world size.
+    """
+    if not is_distributed():
+        raise RuntimeError(
+            "create_process_group requires torch.distributed.init_process_group() "
+            "to be called first"
+        )
+    world_size = dist.get_world_size()
+    if group_size <= 0 or world_size % group_size != 0:
+        raise ValueError(
+            f"group_size must be a positive divisor of the world size, got group_size={group_size} "
+            f"and world_size={world_size}"
+        )
+    blocks = [list(range(start, start + group_size)) for start in range(0, world_size, group_size)]
+    current, _ = dist.new_subgroups_by_enumeration(blocks)
+    return current

@@ -1,0 +1,34 @@
+"""Session-wide fixtures: one pool of 2 gloo ranks and one of 3, shared by every test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _harness import WorkerPool
+
+
+def _pool(world_size: int) -> Iterator[WorkerPool]:
+    pool = WorkerPool(world_size)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool2() -> Iterator[WorkerPool]:
+    """Two gloo ranks."""
+    yield from _pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool3() -> Iterator[WorkerPool]:
+    """Three gloo ranks."""
+    yield from _pool(3)
+
+
+@pytest.fixture(params=[2, 3], ids=["world2", "world3"])
+def pool(request: pytest.FixtureRequest) -> WorkerPool:
+    """Each of the two pools in turn."""
+    return request.getfixturevalue(f"pool{request.param}")

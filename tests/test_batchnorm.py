@@ -1,0 +1,44 @@
+"""SyncBatchNorm on 2 and 3 gloo ranks equals torch's BatchNorm on the global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from _gold import Case, compare, reference, run_rank
+from _harness import WorkerPool
+
+# (world 2 sizes, world 3 sizes): uneven, and one rank empty
+SIZES = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
+
+CASES = {
+    "1d-NC": Case(sizes=(), tail=(5,)),
+    "1d-NCL": Case(sizes=(), tail=(3, 7)),
+    "2d": Case(sizes=(), tail=(3, 4, 5)),
+    "3d": Case(sizes=(), tail=(2, 3, 2, 4)),
+    "affine-false": Case(sizes=(), affine=False),
+    "no-running-stats": Case(sizes=(), track_running_stats=False),
+    "momentum-none": Case(sizes=(), momentum=None, steps=4),
+    "channels-last-2d": Case(sizes=(), channels_last=True),
+    "channels-last-3d": Case(sizes=(), tail=(2, 3, 2, 4), channels_last=True),
+    "float32": Case(sizes=(), dtype="float32", tail=(4, 6, 6)),
+    "float32-channels-last": Case(sizes=(), dtype="float32", tail=(4, 6, 6), channels_last=True),
+    "bfloat16-float32-params": Case(
+        sizes=(), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6)
+    ),
+    "float16-float32-params": Case(
+        sizes=(), dtype="float16", param_dtype="float32", tail=(4, 6, 6)
+    ),
+    "offset-scale": Case(sizes=(), offset=3.0, scale=5.0, eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("sizes_index", [0, 1], ids=["uneven", "with-empty"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gold_matches_batchnorm_on_global_batch(
+    pool: WorkerPool, name: str, sizes_index: int
+) -> None:
+    sizes = SIZES[pool.world_size][sizes_index]
+    case = dataclasses.replace(CASES[name], sizes=sizes)
+    per_rank = pool.run(run_rank, case)
+    compare(case, per_rank, reference(case))

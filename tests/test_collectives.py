@@ -1,0 +1,195 @@
+"""Communication: one collective per call in forward and backward, none in eval or alone,
+payload independent of world size; numerical stability of the cross-rank merge."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _harness import WorkerPool
+
+import syncbn
+
+_COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+]
+
+
+def _payload_bytes(args: tuple[Any, ...]) -> int:
+    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+
+@contextmanager
+def _recorded_collectives() -> Iterator[list[tuple[str, int]]]:
+    """Record (name, payload bytes) of every torch.distributed collective called inside."""
+    log: list[tuple[str, int]] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            log.append((name, _payload_bytes(args)))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _count_collectives(rank: int, world_size: int, channels: int) -> dict[str, Any]:
+    singleton_groups = [dist.new_group([r]) for r in range(world_size)]
+    bn = syncbn.SyncBatchNorm(channels)
+    x = torch.randn(2 + rank, channels, 4, 4, requires_grad=True)
+    result: dict[str, Any] = {}
+    with _recorded_collectives() as log:
+        y = bn(x)
+        result["forward"] = list(log)
+        log.clear()
+        y.sum().backward()
+        result["backward"] = list(log)
+        log.clear()
+        y = bn(x.detach())
+        result["forward_no_input_grad"] = list(log)
+        log.clear()
+        bn.eval()
+        bn(x).sum().backward()
+        result["eval"] = list(log)
+        log.clear()
+        bn_alone = syncbn.SyncBatchNorm(channels, process_group=singleton_groups[rank])
+        bn_alone(x).sum().backward()
+        result["group_of_one"] = list(log)
+    return result
+
+
+@pytest.mark.parametrize("channels", [1, 16])
+def test_one_collective_each_way_with_payload_independent_of_world_size(
+    pool2: WorkerPool, pool3: WorkerPool, channels: int
+) -> None:
+    forward_bytes = (2 * channels + 4) * 8
+    backward_bytes = (2 * channels + 3) * 8
+    results = pool2.run(_count_collectives, channels) + pool3.run(_count_collectives, channels)
+    for result in results:
+        assert result["forward"] == [("all_reduce", forward_bytes)]
+        assert result["backward"] == [("all_reduce", backward_bytes)]
+        # input needs no gradient: statistics still sync, backward needs no collective
+        assert result["forward_no_input_grad"] == [("all_reduce", forward_bytes)]
+        assert result["eval"] == []
+        assert result["group_of_one"] == []
+
+
+def test_no_process_group_is_exactly_batchnorm() -> None:
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    sync_bn, plain_bn = (
+        syncbn.SyncBatchNorm(4, momentum=None),
+        torch.nn.BatchNorm2d(4, momentum=None),
+    )
+    plain_bn.load_state_dict(sync_bn.state_dict())
+    with _recorded_collectives() as log:
+        for step in range(3):
+            x = torch.randn(3, 4, 5, 5, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            y, y_ref = sync_bn(x), plain_bn(x_ref)
+            y.square().sum().backward()
+            y_ref.square().sum().backward()
+            assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad), step
+        sync_bn.eval(), plain_bn.eval()
+        x = torch.randn(2, 4, 5, 5)
+        assert torch.equal(sync_bn(x), plain_bn(x))
+    assert log == []
+    assert torch.equal(sync_bn.weight.grad, plain_bn.weight.grad)
+    for key, value in plain_bn.state_dict().items():
+        assert torch.equal(sync_bn.state_dict()[key], value), key
+
+
+def _eval_is_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(rank)
+    x = torch.randn(3, 4, 5, 5) * (rank + 1)
+    tracked = syncbn.SyncBatchNorm(4).eval()
+    untracked = syncbn.SyncBatchNorm(4, track_running_stats=False).eval()
+    with torch.no_grad():
+        tracked.running_mean.fill_(0.5)
+        tracked.running_var.fill_(2.0)
+    with _recorded_collectives() as log, torch.no_grad():
+        out_tracked, out_untracked = tracked(x), untracked(x)
+    assert log == []
+    expected_tracked = (x - 0.5) / torch.sqrt(torch.tensor(2.0 + 1e-5))
+    expected_untracked = F.batch_norm(x, None, None, training=True)
+    return {
+        "tracked": (out_tracked - expected_tracked).abs().max(),
+        "untracked": (out_untracked - expected_untracked).abs().max(),
+    }
+
+
+def test_eval_uses_running_stats_or_local_batch(pool2: WorkerPool) -> None:
+    for result in pool2.run(_eval_is_local):
+        assert result["tracked"] < 1e-5
+        assert result["untracked"] < 1e-5
+
+
+def _large_mean_statistics(rank: int, world_size: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
+    start = sum(sizes[:rank])
+    bn = syncbn.SyncBatchNorm(4, momentum=1.0)  # running stats = this batch's statistics
+    bn(x[start : start + sizes[rank]])
+    return torch.stack([bn.running_mean, bn.running_var]).double()
+
+
+def test_float32_mean_1e4_std_1_is_accurate(pool2: WorkerPool, pool3: WorkerPool) -> None:
+    for pool, sizes in ((pool2, (3, 5)), (pool3, (2, 0, 6))):
+        gen = torch.Generator().manual_seed(1)
+        x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
+        var, mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
+        for stats in pool.run(_large_mean_statistics, sizes):
+            assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-4
+            assert ((stats[1] - var).abs() / var).max() < 1e-4
+
+
+def _functional_matches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 7, generator=gen, dtype=torch.float64)
+    weight, bias = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    sizes = [2, 3, 0] if world_size == 3 else [1, 4]
+    start = sum(sizes[:rank])
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    out = syncbn.sync_batch_norm(
+        x[start : start + sizes[rank]], mean, var, weight, bias, training=True, momentum=0.3
+    )
+    ref_mean, ref_var = torch.zeros_like(mean), torch.ones_like(var)
+    ref = F.batch_norm(x, ref_mean, ref_var, weight, bias, training=True, momentum=0.3)
+    return {
+        "output": torch.cat([(out - ref[start : start + sizes[rank]]).flatten(), torch.zeros(1)])
+        .abs()
+        .max(),
+        "mean": (mean - ref_mean).abs().max(),
+        "var": (var - ref_var).abs().max(),
+    }
+
+
+def test_functional_form_matches_batch_norm(pool: WorkerPool) -> None:
+    for result in pool.run(_functional_matches):
+        for key, error in result.items():
+            assert error < 1e-12, key

@@ -1,0 +1,143 @@
+"""Bad input and bad environments give clear errors, on every rank, without hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import WorkerPool
+
+import syncbn
+from syncbn import distributed
+from syncbn._autograd import LayerInfo, sync_batch_norm_train
+
+
+def _outcome(fn, *args) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
+        return type(error).__name__, str(error)
+    return "ok", ""
+
+
+def test_local_errors_are_worded_like_torch() -> None:
+    bn = syncbn.SyncBatchNorm(3)
+    with pytest.raises(ValueError, match=r"^expected at least 2D input \(got 1D input\)$"):
+        bn(torch.randn(3))
+    with pytest.raises(ValueError, match=r"expected input with 3 channels.*with 4 channels"):
+        bn(torch.randn(2, 4, 5))
+    with pytest.raises(TypeError, match="floating point input, got input of dtype torch.int64"):
+        bn(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        bn(torch.randn(1, 3))
+    with pytest.raises(ValueError, match=r"expected at least 2D input \(got 0D input\)"):
+        syncbn.sync_batch_norm(torch.tensor(1.0), None, None, training=True)
+
+
+def _global_count_too_small(rank: int, world_size: int, shape: tuple[int, ...]) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)
+    local = shape if rank == 0 else (0, *shape[1:])
+    return _outcome(bn, torch.randn(local))
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1), (0, 3, 4)])
+def test_global_count_of_one_or_zero_raises_on_every_rank(pool: WorkerPool, shape) -> None:  # type: ignore[no-untyped-def]
+    for kind, message in pool.run(_global_count_too_small, shape):
+        assert kind == "ValueError"
+        assert "Expected more than 1 value per channel when training" in message
+        assert f"across all {pool.world_size} ranks" in message
+
+
+def _global_count_two_is_fine(rank: int, world_size: int) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)
+    return _outcome(bn, torch.randn(1 if rank < 2 else 0, 3))
+
+
+def test_one_value_per_rank_is_enough_when_the_global_count_is_larger(pool: WorkerPool) -> None:
+    assert pool.run(_global_count_two_is_fine) == [("ok", "")] * pool.world_size
+
+
+def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)
+    x = torch.randn(4, 3, 2)
+    if rank == world_size - 1:
+        x = {"dims": torch.randn(3), "channels": torch.randn(4, 5, 2), "dtype": x.long()}[bad]
+    outcome = _outcome(bn, x)
+    # the group is still usable afterwards: a correct call on every rank works
+    assert _outcome(bn, torch.randn(2, 3, 2)) == ("ok", "")
+    return outcome
+
+
+@pytest.mark.parametrize("bad", ["dims", "channels", "dtype"])
+def test_bad_input_on_one_rank_raises_on_every_rank(pool: WorkerPool, bad: str) -> None:
+    *others, last = pool.run(_one_rank_bad_input, bad)
+    assert last[0] == ("TypeError" if bad == "dtype" else "ValueError")
+    for kind, message in others:
+        assert kind == "RuntimeError"
+        assert "reported invalid input" in message and "num_features=3" in message
+
+
+def _gradcheck_alone(rank: int, world_size: int) -> bool:
+    """gradcheck the autograd function through a real gloo group of one rank."""
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(rank)
+    x = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(2, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    layer = LayerInfo("gradcheck", 2)
+
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return sync_batch_norm_train(x, weight, bias, 1e-5, groups[rank], 1, layer)[0]
+
+    return torch.autograd.gradcheck(fn, (x, weight, bias))
+
+
+def test_gradcheck_at_world_size_one(pool2: WorkerPool) -> None:
+    assert pool2.run(_gradcheck_alone) == [True, True]
+
+
+def _outside_group(rank: int, world_size: int) -> tuple[str, str]:
+    group = dist.new_group([0])
+    bn = syncbn.SyncBatchNorm(3, process_group=group)
+    return _outcome(bn, torch.randn(4, 3))
+
+
+def test_process_group_without_this_rank(pool2: WorkerPool) -> None:
+    inside, outside = pool2.run(_outside_group)
+    assert inside == ("ok", "")  # a group of one: plain BatchNorm
+    assert outside[0] == "RuntimeError" and "does not contain this rank" in outside[1]
+
+
+def _device_not_supported(rank: int, world_size: int) -> tuple[str, str]:
+    return _outcome(distributed.check_device_backend, torch.device("meta"), None)
+
+
+def test_device_unsupported_by_backend_names_both(pool2: WorkerPool) -> None:
+    for kind, message in pool2.run(_device_not_supported):
+        assert kind == "RuntimeError"
+        assert "'meta'" in message and "'gloo'" in message
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "supported"),
+    [
+        ("nccl", "cpu", False),
+        ("nccl", "cuda", True),
+        ("gloo", "cpu", True),
+        ("cpu:gloo,cuda:nccl", "cpu", True),
+        ("cpu:gloo,cuda:nccl", "cuda", True),
+        ("cpu:gloo,cuda:nccl", "xpu", False),
+    ],
+)
+def test_backend_capability_table(backend: str, device: str, supported: bool) -> None:
+    devices = distributed._supported_device_types(backend)
+    assert devices is not None and (device in devices) == supported
+
+
+def test_unknown_backend_is_left_to_the_collective() -> None:
+    assert distributed._supported_device_types("my_custom_backend") is None
+
+
+def test_create_process_group_needs_init() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        syncbn.create_process_group(1)
