@@ -9,6 +9,7 @@ from syncbn.batchnorm import SyncBatchNorm
 from syncbn.convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from syncbn.distributed import create_process_group
 from syncbn.functional import sync_batch_norm
+from syncbn.precise import recompute_statistics
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "__version__",
     "convert_sync_batchnorm",
     "create_process_group",
+    "recompute_statistics",
     "revert_sync_batchnorm",
     "sync_batch_norm",
 ]

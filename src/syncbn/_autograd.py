@@ -15,13 +15,24 @@ from torch.autograd.function import once_differentiable
 
 from syncbn import _stats, distributed
 
-__all__ = ["LayerInfo", "report_invalid_input", "sync_batch_norm_train"]
+__all__ = ["LayerInfo", "is_recomputing", "report_invalid_input", "sync_batch_norm_train"]
 
 _SAME_CALLS_RULE = (
     "every rank must call every SyncBatchNorm layer the same number of times, in the same "
     "order, with the same number of channels (also in backward: the same layers must receive "
     "gradients on every rank)"
 )
+
+
+def is_recomputing() -> bool:
+    """True when a forward runs inside a backward pass, as activation checkpointing recomputes it.
+
+    Such a forward must not update running statistics a second time. Detected with the
+    autograd engine's current graph task (-1 outside backward), which is what
+    ``torch.utils.checkpoint`` itself relies on; on a torch without it, never true.
+    """
+    current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return current_graph_task_id is not None and current_graph_task_id() != -1
 
 
 @dataclass(frozen=True)

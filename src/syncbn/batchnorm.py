@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn._autograd import LayerInfo
+from syncbn._autograd import LayerInfo, is_recomputing
 from syncbn.functional import _input_problem, _sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
@@ -130,6 +130,8 @@ class SyncBatchNorm(_BatchNorm):
         layer = LayerInfo(
             self.layer_name, self.num_features, self._sync_calls, self.check_layer_order
         )
+        # A forward recomputed by activation checkpointing updates no running statistics.
+        recomputing = is_recomputing()
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats and self.num_batches_tracked is not None:
             if self.momentum is None:
@@ -146,7 +148,7 @@ class SyncBatchNorm(_BatchNorm):
             self.process_group,
             layer,
         )
-        if self.track_running_stats and self.num_batches_tracked is not None:
+        if self.track_running_stats and self.num_batches_tracked is not None and not recomputing:
             self.num_batches_tracked.add_(1)
         self.last_input_dim = input.dim()
         self._sync_calls += 1

@@ -7,7 +7,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from syncbn import distributed
-from syncbn._autograd import LayerInfo, report_invalid_input, sync_batch_norm_train
+from syncbn._autograd import (
+    LayerInfo,
+    is_recomputing,
+    report_invalid_input,
+    sync_batch_norm_train,
+)
 
 __all__ = ["sync_batch_norm"]
 
@@ -70,6 +75,8 @@ def _sync_batch_norm(
         num_features = _channel_count(weight, bias, running_mean, running_var)
         layer = None if num_features is None else LayerInfo("", num_features)
     _validate(input, layer, syncing, process_group)
+    if training and is_recomputing():
+        running_mean = running_var = None  # already updated by the original forward
     if not syncing:
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if layer is None:

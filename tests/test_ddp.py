@@ -1,0 +1,171 @@
+"""DDP training with SyncBatchNorm equals single-process training on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from _harness import WorkerPool
+from torch import nn
+
+import syncbn
+
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self, channels: int, checkpointing: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.checkpointing = checkpointing
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "none":
+            return self._body(x)
+        reentrant = self.checkpointing == "reentrant"
+        return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=reentrant)
+
+
+def _model(checkpointing: str = "none") -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        Block(4, checkpointing),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 6),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def _data(sizes: tuple[int, ...], steps: int, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    n = sum(sizes)
+    return [
+        (
+            torch.randn(n, 3, 5, 5, generator=gen, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=gen),
+        )
+        for _ in range(steps * micro)
+    ]
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_ddp(
+    rank: int, world_size: int, sizes: tuple[int, ...], options: dict[str, Any]
+) -> dict[str, Any]:
+    micro = options.get("micro", 1)
+    model = syncbn.convert_sync_batchnorm(_model(options.get("checkpointing", "none")))
+    ddp = nn.parallel.DistributedDataParallel(
+        model, broadcast_buffers=options.get("broadcast_buffers", True)
+    )
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    start, total = sum(sizes[:rank]), sum(sizes)
+    batches = _data(sizes, STEPS, micro)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for index in range(micro):
+            x, y = batches[step * micro + index]
+            x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+            # DDP averages gradients over ranks: scale so the average is the global-batch mean
+            loss_fn = lambda: F.cross_entropy(ddp(x), y, reduction="sum") * world_size / total  # noqa: E731
+            if index < micro - 1:
+                with ddp.no_sync():
+                    loss_fn().backward()
+            else:
+                loss_fn().backward()
+        optimizer.step()
+    return _state(model)
+
+
+def _train_reference(sizes: tuple[int, ...], options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    micro = options.get("micro", 1)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = _data(sizes, STEPS, micro)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for index in range(micro):
+            x, y = batches[step * micro + index]
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return _state(model)
+
+
+def _max_error(states: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for state in states:
+        assert state.keys() == reference.keys()
+        for key, expected in reference.items():
+            if key.endswith("num_batches_tracked"):
+                assert torch.equal(state[key], expected), key
+                continue
+            torch.testing.assert_close(state[key], expected, rtol=1e-9, atol=1e-10, msg=key)
+            worst = max(worst, (state[key] - expected).abs().max().item())
+    return worst
+
+
+def _assert_bitwise_equal_across_ranks(states: list[dict[str, torch.Tensor]]) -> None:
+    for state in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(state[key], value), key
+
+
+SIZES = {2: [(2, 2), (3, 1)], 3: [(2, 2, 2), (1, 0, 4)]}
+
+
+@pytest.mark.parametrize("sizes_index", [0, 1], ids=["even", "uneven"])
+def test_ddp_training_matches_global_batch(pool: WorkerPool, sizes_index: int) -> None:
+    sizes = SIZES[pool.world_size][sizes_index]
+    states = pool.run(_train_ddp, sizes, {})
+    _max_error(states, _train_reference(sizes, {}))
+    _assert_bitwise_equal_across_ranks(states)
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool) -> None:
+    options = {"broadcast_buffers": broadcast_buffers}
+    states = pool2.run(_train_ddp, (3, 1), options)
+    _max_error(states, _train_reference((3, 1), options))
+    _assert_bitwise_equal_across_ranks(states)
+
+
+def test_gradient_accumulation_with_no_sync(pool2: WorkerPool) -> None:
+    options = {"micro": 2}
+    states = pool2.run(_train_ddp, (2, 3), options)
+    _max_error(states, _train_reference((2, 3), options))
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_updates_running_stats_once(
+    pool2: WorkerPool, checkpointing: str
+) -> None:
+    options = {"checkpointing": checkpointing}
+    states = pool2.run(_train_ddp, (2, 2), options)
+    reference = _train_reference((2, 2), {})
+    _max_error(states, reference)
+    assert states[0]["3.bn.num_batches_tracked"].item() == STEPS
+
+
+def test_checkpoint_loads_into_plain_model_and_back(pool2: WorkerPool) -> None:
+    state = pool2.run(_train_ddp, (2, 2), {})[0]
+    plain = _model()
+    plain.load_state_dict(state)  # strict: same keys, same shapes
+    converted = syncbn.convert_sync_batchnorm(_model())
+    converted.load_state_dict(plain.state_dict())
+    for key, value in state.items():
+        assert torch.equal(converted.state_dict()[key], value), key
+    assert isinstance(converted[1], syncbn.SyncBatchNorm)
