@@ -1,0 +1,114 @@
+"""recompute_statistics: exact population statistics over all batches on all ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _harness import WorkerPool
+from torch import nn
+
+import syncbn
+
+
+def _model(sync: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=0.3),
+        nn.ReLU(),
+        nn.Conv2d(4, 5, 3),
+        nn.BatchNorm2d(5, momentum=None),
+        nn.Dropout(0.5),
+    ).double()
+    if sync:
+        model[1] = syncbn.convert_sync_batchnorm(model[1])  # one SyncBatchNorm, one plain
+    return model
+
+
+def _batches(rank: int) -> list[torch.Tensor]:
+    """Rank r passes r + 2 batches of different sizes, one of them empty; offset data."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    sizes = [3, 0, 2, 5, 1][: rank + 2]
+    return [torch.randn(n, 3, 6, 6, generator=gen, dtype=torch.float64) * 2 + 5 for n in sizes]
+
+
+def _recompute(rank: int, world_size: int) -> dict[str, Any]:
+    model = _model(sync=True).eval()
+    model[4].train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    syncbn.recompute_statistics(model, iter(_batches(rank)))
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "before": before,
+        "modes": [m.training for m in model],
+        "momenta": [model[1].momentum, model[4].momentum],
+        "forward_restored": "forward" not in vars(model[1]) and "forward" not in vars(model[4]),
+    }
+
+
+def _reference(world_size: int) -> dict[str, torch.Tensor]:
+    """Inputs of each BN layer over every batch of every rank, each batch normalized by its own
+    statistics (BatchNorm in training mode), pooled: population mean, unbiased variance."""
+    model = _model(sync=False).train()
+    model[5].eval()  # dropout as in the ranks' model (eval there)
+    inputs: dict[int, list[torch.Tensor]] = {1: [], 4: []}
+    for index in inputs:
+        model[index].register_forward_pre_hook(
+            lambda module, args, index=index: inputs[index].append(args[0])
+        )
+    with torch.no_grad():
+        for rank in range(world_size):
+            for batch in _batches(rank):
+                if len(batch):
+                    model(batch)
+    stats = {}
+    for index, seen in inputs.items():
+        var, mean = torch.var_mean(torch.cat(seen), dim=(0, 2, 3), correction=1)
+        stats[f"{index}.running_mean"], stats[f"{index}.running_var"] = mean, var
+    return stats
+
+
+def test_recompute_statistics_is_the_population_over_all_ranks(pool: WorkerPool) -> None:
+    results = pool.run(_recompute)
+    expected = _reference(pool.world_size)
+    for result in results:
+        for key, value in expected.items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12)
+        for key in ("1.num_batches_tracked", "4.num_batches_tracked"):
+            assert torch.equal(result["state"][key], result["before"][key])
+        assert result["modes"] == [False, False, False, False, True, False]
+        assert result["momenta"] == [0.3, None]
+        assert result["forward_restored"]
+    for result in results[1:]:  # plain BatchNorm too: identical on every rank
+        for key, value in results[0]["state"].items():
+            assert torch.equal(result["state"][key], value), key
+
+
+def test_recompute_statistics_without_process_group() -> None:
+    model = nn.Sequential(nn.BatchNorm2d(3, dtype=torch.float64))
+    batches = _batches(0) + _batches(1)
+    syncbn.recompute_statistics(model, batches, num_batches=3)
+    var, mean = torch.var_mean(torch.cat(batches[:3]), dim=(0, 2, 3), correction=1)
+    torch.testing.assert_close(model[0].running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[0].running_var, var, rtol=1e-12, atol=1e-12)
+
+
+class _OneBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_layers_that_saw_too_little_keep_their_statistics() -> None:
+    model = _OneBranch()
+    with pytest.warns(UserWarning, match=r"kept the running statistics of BatchNorm1d\(2\).*saw 0"):
+        syncbn.recompute_statistics(model, [torch.randn(3, 2), torch.randn(4, 2)])
+    assert torch.equal(model.unused.running_var, torch.ones(2))
+    assert not torch.equal(model.used.running_var, torch.ones(2))
+    with pytest.raises(ValueError, match="num_batches must be non-negative"):
+        syncbn.recompute_statistics(model, [], num_batches=-1)
