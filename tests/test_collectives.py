@@ -87,8 +87,8 @@ def _count_collectives(rank: int, world_size: int, channels: int) -> dict[str, A
 def test_one_collective_each_way_with_payload_independent_of_world_size(
     pool2: WorkerPool, pool3: WorkerPool, channels: int
 ) -> None:
-    forward_bytes = (2 * channels + 4) * 8
-    backward_bytes = (2 * channels + 3) * 8
+    forward_bytes = (2 * channels + 5) * 8
+    backward_bytes = (2 * channels + 4) * 8
     results = pool2.run(_count_collectives, channels) + pool3.run(_count_collectives, channels)
     for result in results:
         assert result["forward"] == [("all_reduce", forward_bytes)]

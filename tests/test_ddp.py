@@ -48,7 +48,9 @@ def _model(checkpointing: str = "none") -> nn.Module:
     ).double()
 
 
-def _data(sizes: tuple[int, ...], steps: int, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(
+    sizes: tuple[int, ...], steps: int, micro: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     n = sum(sizes)
     return [
@@ -62,6 +64,10 @@ def _data(sizes: tuple[int, ...], steps: int, micro: int) -> list[tuple[torch.Te
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _scaled_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="sum") * scale
 
 
 def _train_ddp(
@@ -81,12 +87,11 @@ def _train_ddp(
             x, y = batches[step * micro + index]
             x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
             # DDP averages gradients over ranks: scale so the average is the global-batch mean
-            loss_fn = lambda: F.cross_entropy(ddp(x), y, reduction="sum") * world_size / total  # noqa: E731
             if index < micro - 1:
                 with ddp.no_sync():
-                    loss_fn().backward()
+                    _scaled_loss(ddp, x, y, world_size / total).backward()
             else:
-                loss_fn().backward()
+                _scaled_loss(ddp, x, y, world_size / total).backward()
         optimizer.step()
     return _state(model)
 

@@ -70,8 +70,10 @@ def _check_header(header: _stats.Header, world_size: int, layer: LayerInfo, phas
             f"{phase} while this rank was at {layer.describe()}; see the error raised on that rank"
         )
     own = layer.fingerprint
-    if header.fingerprint_sum != world_size * own or (
-        header.fingerprint_square_sum != world_size * own * own
+    if (
+        header.fingerprint_sum != world_size * own
+        or header.fingerprint_square_sum != world_size * own * own
+        or header.trailer_sum != world_size * own
     ):
         raise RuntimeError(
             f"SyncBatchNorm layer mismatch in {phase}: this rank is at {layer.describe()}, but "

@@ -10,7 +10,7 @@ Why this buffer layout
 Each rank contributes ``(n, n * mean, n * (var + mean**2))`` per channel in
 float64, where ``mean`` and ``var`` are the rank's own (biased) moments. Summing
 these over ranks gives the global count ``N``, ``N * mean_g`` and
-``N * E_g[x**2]`` in one all_reduce of ``2 * C + 4`` numbers, whatever the world
+``N * E_g[x**2]`` in one all_reduce of ``2 * C + 5`` numbers, whatever the world
 size (``torch.nn.SyncBatchNorm`` all_gathers ``world_size * (2 * C + 1)``).
 
 The global variance is then ``E_g[x**2] - mean_g**2``. In float32 that difference
@@ -21,12 +21,16 @@ themselves are computed on data shifted by one sample of each channel, so they d
 not suffer from the same cancellation in float32.
 
 Every buffer starts with a three-number header, ``(error, fingerprint,
-fingerprint**2)``. ``error`` is 1 on a rank that found its input invalid and joins
-the collective only so that no other rank is left waiting. The fingerprint
-identifies the layer; if all ranks reached the same layer, the sums equal
-``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``, and if any
-two ranks differ, the sums differ on every rank (equal mean and mean square imply
-zero spread). The fingerprint is an integer below ``2**16`` so all sums are exact.
+fingerprint**2)``, and ends with a one-number trailer, ``fingerprint``. ``error`` is
+1 on a rank that found its input invalid and joins the collective only so that no
+other rank is left waiting. The fingerprint identifies the layer; if all ranks
+reached the same layer, the sums equal ``world_size * f`` and ``world_size * f**2``
+for each rank's own ``f``, and if any two ranks differ, the sums differ on every
+rank (equal mean and mean square imply zero spread). The fingerprint is an integer
+of at most ``2**16`` so all sums are exact. The trailer catches ranks whose buffers
+differ in length (different channel counts): a backend that reduces only the
+shorter length leaves the longer buffer's last slot without the other ranks'
+share, so its sum is not ``world_size * f``.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "HEADER_SIZE",
     "GlobalMoments",
     "Header",
+    "backward_size",
     "backward_sums",
     "fingerprint",
+    "forward_size",
     "input_grad",
     "local_moments",
     "pack_backward",
@@ -53,10 +58,19 @@ __all__ = [
     "unpack_forward",
 ]
 
-#: Number of leading float64 slots every packed buffer reserves for its header.
-HEADER_SIZE = 3
-_COUNT_SLOT = HEADER_SIZE
+_HEADER_SIZE = 3  # error, fingerprint, fingerprint**2
+_COUNT_SLOT = _HEADER_SIZE  # forward buffers only
 _PACK_DTYPE = torch.float64
+
+
+def forward_size(num_features: int) -> int:
+    """Length of a forward buffer: header, count, two sums per channel, trailer."""
+    return _HEADER_SIZE + 1 + 2 * num_features + 1
+
+
+def backward_size(num_features: int) -> int:
+    """Length of a backward buffer: header, two sums per channel, trailer."""
+    return _HEADER_SIZE + 2 * num_features + 1
 
 
 class Header(NamedTuple):
@@ -65,6 +79,7 @@ class Header(NamedTuple):
     errors: int
     fingerprint_sum: float
     fingerprint_square_sum: float
+    trailer_sum: float
 
 
 class GlobalMoments(NamedTuple):
@@ -128,61 +143,61 @@ def local_moments(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return shift.to(_PACK_DTYPE) + shifted_mean, var
 
 
-def _pack(header: list[float], *vectors: torch.Tensor) -> torch.Tensor:
+def _pack(header: list[float], vectors: list[torch.Tensor], trailer: float) -> torch.Tensor:
     device = vectors[0].device
-    head = torch.tensor(header, dtype=_PACK_DTYPE).to(device, non_blocking=True)
-    return torch.cat([head, *(v.to(_PACK_DTYPE) for v in vectors)])
+    ends = torch.tensor([*header, trailer], dtype=_PACK_DTYPE).to(device, non_blocking=True)
+    return torch.cat([ends[:-1], *(v.to(_PACK_DTYPE) for v in vectors), ends[-1:]])
 
 
 def pack_forward(
     count: int, mean: torch.Tensor, var: torch.Tensor, fingerprint: int, error: bool = False
 ) -> torch.Tensor:
-    """Pack one rank's forward contribution into a float64 buffer of size ``2 * C + 4``.
+    """Pack one rank's forward contribution into a float64 buffer of ``forward_size(C)``.
 
-    Layout: ``[error, f, f**2, n, n * mean (C), n * (var + mean**2) (C)]``.
+    Layout: ``[error, f, f**2, n, n * mean (C), n * (var + mean**2) (C), f]``.
     """
     f = float(fingerprint)
-    return _pack(
-        [float(error), f, f * f, float(count)], count * mean, count * (var + mean.square())
-    )
+    sums = [count * mean, count * (var + mean.square())]
+    return _pack([float(error), f, f * f, float(count)], sums, f)
 
 
 def unpack_forward(buffer: torch.Tensor) -> GlobalMoments:
     """Global count, mean and biased variance from an all-reduced forward buffer.
 
-    The count is clamped to at least 1 so that an (already reported) empty global
-    batch cannot divide by zero.
+    The divisor is clamped to at least 1 so that an empty global batch gives zeros
+    rather than NaN; the returned count is the true one.
     """
-    sums = buffer[_COUNT_SLOT + 1 :]
+    sums = buffer[_COUNT_SLOT + 1 : -1]
     num_channels = sums.numel() // 2
-    count = buffer[_COUNT_SLOT].clamp(min=1)
-    mean = sums[:num_channels] / count
-    var = (sums[num_channels:] / count - mean.square()).clamp_(min=0)
+    count = buffer[_COUNT_SLOT]
+    mean = sums[:num_channels] / count.clamp(min=1)
+    var = (sums[num_channels:] / count.clamp(min=1) - mean.square()).clamp_(min=0)
     return GlobalMoments(count, mean, var)
 
 
 def read_header(buffer: torch.Tensor, with_count: bool = False) -> tuple[Header, int]:
-    """Copy an all-reduced buffer's header (and the forward count) to the host.
+    """Copy an all-reduced buffer's header and trailer (and forward count) to the host.
 
     Returns:
         The header and the global count per channel (``-1`` unless ``with_count``).
     """
-    values = buffer[: _COUNT_SLOT + int(with_count)].tolist()
-    header = Header(int(values[0]), values[1], values[2])
-    return header, int(values[_COUNT_SLOT]) if with_count else -1
+    slots = [0, 1, 2, buffer.numel() - 1] + ([_COUNT_SLOT] if with_count else [])
+    values = buffer[slots].tolist()
+    header = Header(int(values[0]), values[1], values[2], values[3])
+    return header, int(values[4]) if with_count else -1
 
 
 def pack_backward(
     sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int
 ) -> torch.Tensor:
-    """Pack one rank's backward reductions: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C)]``."""
+    """Pack one rank's backward sums: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C), f]``."""
     f = float(fingerprint)
-    return _pack([0.0, f, f * f], sum_dy, sum_dy_xhat)
+    return _pack([0.0, f, f * f], [sum_dy, sum_dy_xhat], f)
 
 
 def unpack_backward(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Global ``sum(dy)`` and ``sum(dy * xhat)`` from an all-reduced backward buffer."""
-    sums = buffer[HEADER_SIZE:]
+    sums = buffer[_HEADER_SIZE:-1]
     num_channels = sums.numel() // 2
     return sums[:num_channels], sums[num_channels:]
 

@@ -34,8 +34,8 @@ class SyncBatchNorm(_BatchNorm):
     ``running_var`` is updated with the unbiased global variance, and
     ``momentum=None`` gives a cumulative moving average, as in torch.
 
-    Each training call costs one ``all_reduce`` of ``2 * C + 4`` float64 values in
-    forward and one of ``2 * C + 3`` in backward, whatever the world size, on any
+    Each training call costs one ``all_reduce`` of ``2 * C + 5`` float64 values in
+    forward and one of ``2 * C + 4`` in backward, whatever the world size, on any
     device and any backend that supports ``all_reduce`` (gloo on CPU, nccl on CUDA).
 
     .. note::

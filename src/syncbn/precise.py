@@ -40,7 +40,7 @@ def _collecting_moments(layers: list[_BatchNorm]) -> Iterator[dict[int, torch.Te
     """Temporarily give each layer a forward that accumulates packed moments of its input."""
     sums: dict[int, torch.Tensor] = {}
     for layer in layers:
-        layer.forward = _moment_collecting_forward(layer, sums)  # type: ignore[method-assign]
+        layer.forward = _moment_collecting_forward(layer, sums)  # type: ignore[method-assign,assignment]
     try:
         yield sums
     finally:
@@ -101,9 +101,9 @@ def recompute_statistics(
     packed = []
     for layer in layers:
         assert layer.running_mean is not None  # track_running_stats=True
-        size = 2 * layer.num_features + _stats.HEADER_SIZE + 1
         local = sums.get(id(layer))
         if local is None:
+            size = _stats.forward_size(layer.num_features)
             local = torch.zeros(size, dtype=torch.float64, device=layer.running_mean.device)
         packed.append(local.to(layers[0].running_mean.device))  # type: ignore[union-attr]
     buffer = torch.cat(packed)
@@ -112,7 +112,7 @@ def recompute_statistics(
 
     for layer, layer_buffer in zip(layers, buffer.split([p.numel() for p in packed])):
         moments = _stats.unpack_forward(layer_buffer)
-        count = int(layer_buffer[_stats.HEADER_SIZE].item())
+        count = int(moments.n.item())
         if count < 2:
             warnings.warn(
                 f"recompute_statistics kept the running statistics of {type(layer).__name__}"
