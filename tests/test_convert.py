@@ -56,7 +56,14 @@ def test_convert_replaces_every_plain_batchnorm_and_shares_state() -> None:
         old, new = before[name], after[name]
         assert type(new) is syncbn.SyncBatchNorm, name
         assert new.layer_name == name
-        for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats", "training"):
+        for attr in (
+            "num_features",
+            "eps",
+            "momentum",
+            "affine",
+            "track_running_stats",
+            "training",
+        ):
             assert getattr(new, attr) == getattr(old, attr), (name, attr)
     for name in ["0", "7", "9", "10", "11"]:
         assert after[name] is before[name]
