@@ -1,0 +1,725 @@
+"""The DataParallel API of vacancy's Synchronized-BatchNorm-PyTorch, with torch's maths.
+
+``torch.nn.DataParallel`` runs one *replica* of the model per device, each in its own
+thread of one process. The layers of this module let the replicas of one BatchNorm
+layer pool their statistics, so that the layer normalizes with the mean and variance
+of the whole batch that DataParallel scattered. Code written for vacancy's
+``sync_batchnorm`` package keeps working with only its import changed::
+
+    from syncbn.data_parallel import SynchronizedBatchNorm2d, DataParallelWithCallback
+
+How the replicas meet (the replication-callback design)
+-------------------------------------------------------
+DataParallel copies the model for every forward call. :class:`DataParallelWithCallback`
+(or a DataParallel patched by :func:`patch_replication_callback`) then calls
+``__data_parallel_replicate__(ctx, copy_id)`` on every submodule of every copy that has
+it, where ``ctx`` is one object shared by the copies of the same submodule. The copies
+of a synchronized layer use it to share one rendezvous. In training, each copy packs
+its local moments into a small float64 buffer (the same buffer as the distributed
+path, built by :mod:`syncbn._stats`); copy 0 sums the buffers of all copies in copy
+order on its device and hands every copy the sum on that copy's device. Backward
+exchanges the per-channel ``sum(dy)`` and ``sum(dy * xhat)`` the same way, so input
+gradients flow through the global statistics. The only difference from
+:class:`syncbn.SyncBatchNorm` is the collective: an in-process rendezvous between
+replica threads instead of a ``torch.distributed`` all_reduce.
+
+Every wait is bounded by the layer's ``sync_timeout`` (seconds); a replica that fails
+(in the layer or, under :class:`DataParallelWithCallback`, anywhere in its forward)
+releases the other replicas at once with an error naming the failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from syncbn import _stats
+
+__all__ = [
+    "DEFAULT_SYNC_TIMEOUT",
+    "DataParallelWithCallback",
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "convert_model",
+    "execute_replication_callbacks",
+    "patch_replication_callback",
+]
+
+#: Seconds a replica waits for the other replicas of its layer before raising.
+DEFAULT_SYNC_TIMEOUT = 120.0
+
+_SAME_CALLS_RULE = (
+    "every replica must call each synchronized BatchNorm layer the same number of times in "
+    "forward, and the same layers must receive gradients on every replica in backward"
+)
+
+
+class _Round:
+    """One exchange: a buffer from every copy, then their sum on every copy's device."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.results: dict[int, torch.Tensor] | None = None
+        self.collected = 0
+
+
+class _ReplicaRendezvous:
+    """Sums one float64 buffer per replica, among the replicas of one layer, in one process.
+
+    One rendezvous serves the copies of one layer for one DataParallel forward call (and
+    the backward of that call). Rounds are keyed by ``(phase, call_index)``, so the
+    ``k``-th call of the layer on one copy meets the ``k``-th call on every other copy.
+    The master (the lowest copy id: 0 under DataParallel) waits for all buffers, sums
+    them in copy order on its own device, and publishes the sum moved to each copy's
+    device; the other copies wait for that result. Every wait ends by ``timeout``.
+
+    Args:
+        timeout: seconds any copy waits in one round before the rendezvous fails.
+        layer: the layer's class name, for error messages.
+    """
+
+    def __init__(self, timeout: float, layer: str) -> None:
+        self.timeout = timeout
+        self.layer = layer
+        self._copies: set[int] = set()
+        self._rounds: dict[tuple[str, int], _Round] = {}
+        self._failure: str | None = None
+        self._cond = threading.Condition()
+
+    def register(self, copy_id: int) -> None:
+        """Record that replica ``copy_id`` takes part (called by the replication callback)."""
+        with self._cond:
+            self._copies.add(copy_id)
+
+    @property
+    def num_copies(self) -> int:
+        return len(self._copies)
+
+    def abort(self, copy_id: int, error: BaseException) -> None:
+        """Fail the rendezvous: every copy waiting now or later raises, naming ``error``.
+
+        Only the first failure is kept, so aborting again (as the released copies do) is
+        harmless.
+        """
+        with self._cond:
+            if self._failure is None:
+                self._failure = f"replica {copy_id} raised {type(error).__name__}: {error}"
+            self._cond.notify_all()
+
+    def _check_failure(self, copy_id: int, phase: str, call_index: int) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"{self.layer} replica {copy_id} stopped in {phase} (call {call_index}) "
+                f"because {self._failure}"
+            )
+
+    def _wait(
+        self, copy_id: int, ready: Callable[[], bool], key: tuple[str, int], deadline: float
+    ) -> None:
+        """Wait, holding the condition, until ``ready()``; raise on a failure or at the deadline.
+
+        A round that is ready is delivered even if a copy failed meanwhile (the copy
+        that failed may have done so after the round completed).
+        """
+        phase, call_index = key
+        while not ready():
+            self._check_failure(copy_id, phase, call_index)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(self._copies - self._rounds[key].buffers.keys())
+                waiting_for = f"replica(s) {missing}" if missing else "the master replica"
+                self._failure = (
+                    f"replica {copy_id} timed out after {self.timeout:g} s in {phase} (call "
+                    f"{call_index}) waiting for {waiting_for}; {_SAME_CALLS_RULE}"
+                )
+                self._cond.notify_all()
+                raise RuntimeError(f"{self.layer} {self._failure}")
+            self._cond.wait(remaining)
+
+    def exchange(
+        self, copy_id: int, phase: str, call_index: int, buffer: torch.Tensor
+    ) -> torch.Tensor:
+        """Contribute ``buffer`` to round ``(phase, call_index)``; return the sum over all copies.
+
+        Returns:
+            The elementwise sum of every copy's buffer, on ``buffer``'s device.
+
+        Raises:
+            RuntimeError: if a copy failed, or the round did not complete in time.
+        """
+        key = (phase, call_index)
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._check_failure(copy_id, phase, call_index)
+            round_ = self._rounds.setdefault(key, _Round())
+            round_.buffers[copy_id] = buffer
+            self._cond.notify_all()
+            is_master = copy_id == min(self._copies)
+            if is_master:
+                self._wait(copy_id, lambda: len(round_.buffers) == len(self._copies), key, deadline)
+        if is_master:
+            # Sum outside the lock, in copy order (deterministic), on the master's device.
+            total = buffer.clone()
+            for other_id in sorted(round_.buffers):
+                if other_id != copy_id:
+                    total.add_(round_.buffers[other_id].to(buffer.device))
+            results = {
+                other_id: total if other_id == copy_id else total.to(other.device, copy=True)
+                for other_id, other in round_.buffers.items()
+            }
+            with self._cond:
+                round_.results = results
+                self._cond.notify_all()
+        with self._cond:
+            self._wait(copy_id, lambda: round_.results is not None, key, deadline)
+            result = cast("dict[int, torch.Tensor]", round_.results)[copy_id]
+            round_.collected += 1
+            if round_.collected == len(self._copies):
+                del self._rounds[key]
+        return result
+
+
+class _ReplicaBatchNormFunction(torch.autograd.Function):
+    """Batch normalization with statistics and input gradients summed over replica threads."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        rendezvous: _ReplicaRendezvous,
+        copy_id: int,
+        call_index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        local_count = input.numel() // input.shape[1]
+        local_mean, local_var = _stats.local_moments(input)
+        buffer = _stats.pack_forward(local_count, local_mean, local_var, 0)
+        total = rendezvous.exchange(copy_id, "forward", call_index, buffer)
+        _header, global_count = _stats.read_header(total, with_count=True)
+        if global_count <= 1:
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got input size "
+                f"{input.size()} on this replica and {global_count} value(s) per channel across "
+                f"all {rendezvous.num_copies} replicas"
+            )
+
+        moments = _stats.unpack_forward(total)
+        dtype = _stats.stat_dtype(input.dtype)
+        mean, var = moments.mean.to(dtype), moments.var.to(dtype)
+        output = F.batch_norm(
+            input,
+            mean,
+            var,
+            None if weight is None else weight.to(dtype),
+            None if bias is None else bias.to(dtype),
+            False,
+            0.0,
+            eps,
+        )
+        ctx.save_for_backward(input, weight, mean, var)
+        ctx.count = moments.n
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.eps = eps
+        ctx.rendezvous = rendezvous
+        ctx.copy_id = copy_id
+        ctx.call_index = call_index
+        unbiased_var = moments.var * (moments.n / (moments.n - 1))
+        ctx.mark_non_differentiable(moments.mean, unbiased_var)
+        return output, moments.mean, unbiased_var
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        input, weight, mean, var = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
+
+        grad_input: torch.Tensor | None = None
+        if need_input:
+            buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, 0)
+            total = ctx.rendezvous.exchange(ctx.copy_id, "backward", ctx.call_index, buffer)
+            global_sum_dy, global_sum_dy_xhat = _stats.unpack_backward(total)
+            grad_input = _stats.input_grad(
+                grad_output,
+                input,
+                mean,
+                torch.rsqrt(var + ctx.eps),
+                weight,
+                global_sum_dy / ctx.count,
+                global_sum_dy_xhat / ctx.count,
+            )
+        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
+        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class _SynchronizedBatchNorm(_BatchNorm):
+    """Shared implementation of the ``SynchronizedBatchNorm{1,2,3}d`` layers."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
+        )
+        self.sync_timeout = DEFAULT_SYNC_TIMEOUT
+        # Set on replicas only, by __data_parallel_replicate__.
+        self._replica_sync: _ReplicaRendezvous | None = None
+        self._replica_copy_id = 0
+        self._replica_calls = 0
+
+    def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+        """Join the rendezvous shared (through ``ctx``) by the copies of this layer.
+
+        Called on each replica by :func:`execute_replication_callbacks`; ``ctx`` is the
+        same object for every copy of this layer within one replication.
+        """
+        rendezvous = getattr(ctx, "syncbn_rendezvous", None)
+        if rendezvous is None:
+            rendezvous = _ReplicaRendezvous(self.sync_timeout, type(self).__name__)
+            ctx.syncbn_rendezvous = rendezvous
+        rendezvous.register(copy_id)
+        self._replica_sync = rendezvous
+        self._replica_copy_id = copy_id
+        self._replica_calls = 0
+
+    def _input_problem(self, input: torch.Tensor) -> Exception | None:
+        try:
+            self._check_input_dim(input)
+        except ValueError as error:
+            return error
+        if input.shape[1] != self.num_features:
+            return ValueError(
+                f"expected input with {self.num_features} channels "
+                f"(num_features={self.num_features}), got input of shape {tuple(input.shape)} "
+                f"with {input.shape[1]} channels"
+            )
+        if not input.is_floating_point():
+            return TypeError(
+                f"{type(self).__name__} expects a floating point input, got input of dtype "
+                f"{input.dtype}"
+            )
+        return None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rendezvous = self._replica_sync
+        if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
+            # Not a replica among several, or not training: exactly torch's BatchNorm.
+            return super().forward(input)
+
+        problem = self._input_problem(input)
+        if problem is not None:
+            rendezvous.abort(self._replica_copy_id, problem)
+            raise problem
+        factor = 0.0 if self.momentum is None else self.momentum
+        track = self.track_running_stats and self.num_batches_tracked is not None
+        if track and self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked + 1)  # type: ignore[operator]
+        try:
+            output, mean, unbiased_var = _ReplicaBatchNormFunction.apply(
+                input,
+                self.weight,
+                self.bias,
+                self.eps,
+                rendezvous,
+                self._replica_copy_id,
+                self._replica_calls,
+            )
+        except Exception as error:
+            rendezvous.abort(self._replica_copy_id, error)
+            raise
+        finally:
+            self._replica_calls += 1
+        if track:
+            with torch.no_grad():
+                if self.running_mean is not None:
+                    self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                if self.running_var is not None:
+                    self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), factor)
+                self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
+        return output
+
+
+_CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for {dims} input.
+
+    The drop-in replacement for :class:`torch.nn.{torch_name}` in models run by
+    :class:`DataParallelWithCallback` (vacancy's ``sync_batchnorm`` API):
+
+    .. math::
+        y = \frac{{x - \mathrm{{E}}[x]}}{{\sqrt{{\mathrm{{Var}}[x] + \epsilon}}}} * \gamma + \beta
+
+    In training, when DataParallel has replicated the model on several devices,
+    the mean and (biased) variance are taken per channel over the whole batch that
+    DataParallel scattered: all replicas' slices together. Outputs, input gradients
+    and running statistics then equal those of :class:`torch.nn.{torch_name}` run on
+    the whole batch on one device, and the weight and bias gradients, which
+    DataParallel sums over replicas, equal its gradients. ``running_var`` is updated
+    with the unbiased variance of the whole batch and ``momentum=None`` gives a
+    cumulative moving average, as in torch; :math:`\epsilon` is added to the
+    variance (torch's semantics, not vacancy's ``sqrt(max(var, eps))``).
+
+    .. note::
+        Without replication (CPU only, a single device, or outside DataParallel) and
+        in eval mode the layer is exactly :class:`torch.nn.{torch_name}`: it starts
+        no threads and never waits.
+
+    .. note::
+        Every replica must call the layer the same number of times in each forward,
+        and the same layers must receive gradients on every replica in backward: the
+        ``k``-th call on one device is pooled with the ``k``-th call on every other
+        device. A replica that waits longer than ``sync_timeout`` seconds for the
+        others raises a ``RuntimeError`` saying which replicas are missing.
+
+    Args:
+        num_features: number of channels :math:`C` of the input.
+        eps: value added to the variance for numerical stability. Default: 1e-5
+        momentum: factor of the running statistics update, or ``None`` for a
+            cumulative moving average. Default: 0.1
+        affine: learnable per-channel scale and shift. Default: ``True``
+        track_running_stats: keep running mean and variance for eval mode.
+            Default: ``True``
+        device: device of the parameters and buffers. Default: ``None``
+        dtype: dtype of the parameters and buffers. Default: ``None``
+
+    Attributes:
+        sync_timeout: seconds a replica waits for the others in one exchange; read
+            when DataParallel replicates the layer. Default: ``DEFAULT_SYNC_TIMEOUT``
+            (120)
+
+    Shape:
+        - Input: {shape}
+        - Output: {shape} (same shape as input)
+
+    Examples::
+
+        >>> bn = {name}(10, eps=1e-5, affine=False)
+        >>> model = DataParallelWithCallback(bn, device_ids=[0, 1])
+        >>> y = model(torch.randn({example}))
+    """
+
+
+class SynchronizedBatchNorm1d(_SynchronizedBatchNorm):
+    _check_input_dim = nn.BatchNorm1d._check_input_dim
+
+
+class SynchronizedBatchNorm2d(_SynchronizedBatchNorm):
+    _check_input_dim = nn.BatchNorm2d._check_input_dim
+
+
+class SynchronizedBatchNorm3d(_SynchronizedBatchNorm):
+    _check_input_dim = nn.BatchNorm3d._check_input_dim
+
+
+SynchronizedBatchNorm1d.__doc__ = _CLASS_DOC.format(
+    dims="2D or 3D",
+    torch_name="BatchNorm1d",
+    shape=r":math:`(N, C)` or :math:`(N, C, L)`",
+    name="SynchronizedBatchNorm1d",
+    example="16, 10",
+)
+SynchronizedBatchNorm2d.__doc__ = _CLASS_DOC.format(
+    dims="4D",
+    torch_name="BatchNorm2d",
+    shape=r":math:`(N, C, H, W)`",
+    name="SynchronizedBatchNorm2d",
+    example="16, 10, 8, 8",
+)
+SynchronizedBatchNorm3d.__doc__ = _CLASS_DOC.format(
+    dims="5D",
+    torch_name="BatchNorm3d",
+    shape=r":math:`(N, C, D, H, W)`",
+    name="SynchronizedBatchNorm3d",
+    example="16, 10, 4, 8, 8",
+)
+
+
+class _CallbackContext:
+    """State shared by the copies of one submodule during one replication."""
+
+
+def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
+    """Call ``__data_parallel_replicate__(ctx, copy_id)`` on every submodule that has it.
+
+    ``replicas`` are the copies that ``torch.nn.parallel.replicate`` made of one
+    module, copy ``i`` for device ``i``. The submodules at the same position in every
+    copy receive one shared ``ctx`` object, and copy ``i`` receives ``copy_id=i``.
+    :class:`DataParallelWithCallback` and :func:`patch_replication_callback` call
+    this after every replication; call it yourself from a custom DataParallel.
+
+    Args:
+        replicas: the copies of one module, in device order.
+    """
+    if not replicas:
+        return
+    contexts = [_CallbackContext() for _ in replicas[0].modules()]
+    for copy_id, replica in enumerate(replicas):
+        for ctx, submodule in zip(contexts, replica.modules()):
+            callback = getattr(submodule, "__data_parallel_replicate__", None)
+            if callback is not None:
+                callback(ctx, copy_id)
+
+
+class _FailFast(nn.Module):
+    """Runs one replica; if it raises, releases the other replicas waiting in its layers."""
+
+    def __init__(
+        self, replica: nn.Module, copy_id: int, rendezvous: list[_ReplicaRendezvous]
+    ) -> None:
+        super().__init__()
+        self.replica = replica
+        self.copy_id = copy_id
+        self.rendezvous = rendezvous
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.replica(*args, **kwargs)
+        except BaseException as error:
+            for rendezvous in self.rendezvous:
+                rendezvous.abort(self.copy_id, error)
+            raise
+
+
+def _fail_fast(replicas: Sequence[nn.Module]) -> list[nn.Module]:
+    """Wrap replicas so that one replica's exception releases the others at once."""
+    if not replicas:
+        return []
+    rendezvous = [
+        m._replica_sync
+        for m in replicas[0].modules()
+        if isinstance(m, _SynchronizedBatchNorm) and m._replica_sync is not None
+    ]
+    if not rendezvous:
+        return list(replicas)
+    return [_FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
+
+
+def _device_index(device: int | str | torch.device) -> int | None:
+    return device if isinstance(device, int) else torch.device(device).index
+
+
+def _present_devices(
+    device_ids: Sequence[int | str | torch.device] | None,
+    output_device: int | str | torch.device | None,
+    device_count: int,
+) -> tuple[list[int | str | torch.device] | None, int | str | torch.device | None]:
+    """Drop the device ids (and output device) that this machine does not have.
+
+    Returns:
+        ``(device_ids, output_device)``; unchanged when every id exists or none does.
+    """
+    if device_ids is None:
+        return None, output_device
+
+    def present(device: int | str | torch.device) -> bool:
+        index = _device_index(device)
+        return index is None or index < device_count
+
+    kept = [device for device in device_ids if present(device)]
+    if not kept or len(kept) == len(device_ids):
+        return list(device_ids), output_device
+    warnings.warn(
+        f"DataParallelWithCallback: device_ids {list(device_ids)} name devices this machine "
+        f"does not have ({device_count} CUDA device(s)); running on {kept}",
+        stacklevel=3,
+    )
+    if output_device is not None and not present(output_device):
+        output_device = None
+    return kept, output_device
+
+
+class DataParallelWithCallback(nn.DataParallel):
+    r"""``torch.nn.DataParallel`` that lets synchronized layers of the replicas find each other.
+
+    After DataParallel copies the module for a forward call, this wrapper calls
+    ``__data_parallel_replicate__(ctx, copy_id)`` on every submodule of every copy
+    that defines it (see :func:`execute_replication_callbacks`), which is how the
+    :class:`SynchronizedBatchNorm2d` (1d, 3d) layers of the copies pool their
+    statistics. If a replica raises, the other replicas waiting for it in a
+    synchronized layer are released at once with an error that names the failure.
+
+    On a machine without several CUDA devices the wrapper runs as the plain module:
+    without CUDA, ``torch.nn.DataParallel`` ignores ``device_ids`` and calls the
+    module directly; with CUDA, ``device_ids`` (and ``output_device``) that name
+    devices the machine does not have are dropped with a warning, so the documented
+    ``device_ids=[0, 1]`` runs on one GPU.
+
+    Args:
+        module: the module to parallelize.
+        device_ids: CUDA devices to use. Default: all devices
+        output_device: device of the output. Default: ``device_ids[0]``
+        dim: dimension along which the inputs are scattered. Default: 0
+
+    Examples::
+
+        >>> sync_bn = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False)
+        >>> sync_bn = DataParallelWithCallback(sync_bn, device_ids=[0, 1])
+        >>> y = sync_bn(torch.randn(16, 10))
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+    ) -> None:
+        if torch.cuda.is_available():
+            device_ids, output_device = _present_devices(  # type: ignore[assignment]
+                device_ids, output_device, torch.cuda.device_count()
+            )
+        super().__init__(module, device_ids, output_device, dim)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> Any:
+        replicas = super().replicate(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
+    ) -> list[Any]:
+        return super().parallel_apply(_fail_fast(replicas), inputs, kwargs)
+
+
+def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
+    """Make one ``torch.nn.DataParallel`` instance run the replication callbacks.
+
+    Monkey-patches ``data_parallel.replicate`` (of this instance only) so that every
+    replication is followed by :func:`execute_replication_callbacks`, for code that
+    uses its own DataParallel class. Patching twice is harmless. Prefer
+    :class:`DataParallelWithCallback`, which also releases waiting replicas at once
+    when one replica raises (here they wait for ``sync_timeout``).
+
+    Args:
+        data_parallel: the wrapper to patch.
+
+    Raises:
+        TypeError: if ``data_parallel`` is not a ``torch.nn.DataParallel``.
+
+    Examples::
+
+        >>> sync_bn = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False)
+        >>> sync_bn = torch.nn.DataParallel(sync_bn, device_ids=[0, 1])
+        >>> patch_replication_callback(sync_bn)  # monkey-patching
+    """
+    if not isinstance(data_parallel, nn.DataParallel):
+        raise TypeError(
+            "patch_replication_callback expects a torch.nn.DataParallel, got "
+            f"{type(data_parallel).__name__}"
+        )
+    if isinstance(data_parallel, DataParallelWithCallback) or getattr(
+        data_parallel.replicate, "_syncbn_callbacks", False
+    ):
+        return
+    original = data_parallel.replicate
+
+    @functools.wraps(original)
+    def replicate(module: nn.Module, device_ids: Sequence[int | torch.device]) -> Any:
+        replicas = original(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
+    replicate._syncbn_callbacks = True  # type: ignore[attr-defined]
+    data_parallel.replicate = replicate  # type: ignore[method-assign]
+
+
+_CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] = (
+    (nn.BatchNorm1d, SynchronizedBatchNorm1d),
+    (nn.BatchNorm2d, SynchronizedBatchNorm2d),
+    (nn.BatchNorm3d, SynchronizedBatchNorm3d),
+)
+
+
+def _synchronized(module: nn.Module, path: str) -> nn.Module:
+    """The synchronized twin of one BatchNorm layer, sharing its state; or the layer itself."""
+    for torch_class, sync_class in _CONVERSIONS:
+        if not isinstance(module, torch_class):
+            continue
+        if type(module).forward is not _BatchNorm.forward:
+            warnings.warn(
+                f"convert_model left '{path or type(module).__name__}' "
+                f"({type(module).__qualname__}) unconverted: it subclasses {torch_class.__name__} "
+                "but overrides forward(), and converting it would drop that behaviour. It keeps "
+                "per-replica statistics.",
+                stacklevel=4,
+            )
+            return module
+        twin = sync_class(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device="meta",
+        )
+        for name, param in module.named_parameters(recurse=False):
+            setattr(twin, name, param)
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(twin, name, buffer)
+        twin.train(module.training)
+        return twin
+    return module
+
+
+def _convert(module: nn.Module, path: str) -> nn.Module:
+    result = _synchronized(module, path)
+    for name, child in module.named_children():
+        result.add_module(name, _convert(child, f"{path}.{name}" if path else name))
+    return result
+
+
+def convert_model(module: nn.Module) -> nn.Module:
+    """Replace every ``BatchNorm1d``/``2d``/``3d`` in ``module`` with its synchronized twin.
+
+    Each layer becomes :class:`SynchronizedBatchNorm1d` (``2d``, ``3d``) *sharing* its
+    Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
+    keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
+    ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``
+    is left unconverted with a warning naming it. If ``module`` is a
+    ``torch.nn.DataParallel``, its inner module is converted and returned wrapped in
+    :class:`DataParallelWithCallback` with the same ``device_ids``, ``output_device``
+    and ``dim``.
+
+    Args:
+        module: the model, a single BatchNorm layer, or a DataParallel wrapper.
+
+    Returns:
+        The converted module: ``module`` itself modified in place, unless it is a
+        BatchNorm layer (its twin is returned) or a DataParallel (a new
+        :class:`DataParallelWithCallback` is returned).
+
+    Examples::
+
+        >>> m = torchvision.models.resnet18()
+        >>> m = torch.nn.DataParallel(m)
+        >>> m = convert_model(m)  # a DataParallelWithCallback with SyncBN inside
+    """
+    if isinstance(module, nn.DataParallel):
+        return DataParallelWithCallback(
+            convert_model(module.module),
+            device_ids=module.device_ids or None,
+            output_device=getattr(module, "output_device", None),
+            dim=getattr(module, "dim", 0),
+        )
+    return _convert(module, "")

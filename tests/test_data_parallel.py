@@ -1,0 +1,493 @@
+"""syncbn.data_parallel: vacancy's DataParallel API, with statistics shared by replica threads.
+
+On CPU, DataParallel never replicates, so the cross-replica mechanism is driven here the
+way DataParallel drives it on GPUs: copies made like ``torch.nn.parallel.replicate``
+makes them (parameters as non-leaf aliases, copy 0 holding the original buffers), the
+replication callbacks, then one thread per replica running forward and backward on its
+slice of the batch. The results must equal torch's BatchNorm on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from _gold import Case, reference
+from torch import nn
+
+from syncbn.data_parallel import (
+    DataParallelWithCallback,
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    _fail_fast,
+    _present_devices,
+    convert_model,
+    execute_replication_callbacks,
+    patch_replication_callback,
+)
+
+SYNC_CLASSES = {2: SynchronizedBatchNorm1d, 3: SynchronizedBatchNorm1d}
+SYNC_CLASSES.update({4: SynchronizedBatchNorm2d, 5: SynchronizedBatchNorm3d})
+TOL = {"rtol": 1e-9, "atol": 1e-10}
+THREAD_JOIN_SECONDS = 60.0
+
+
+def copies_like_replicate(module: nn.Module, num_copies: int) -> list[nn.Module]:
+    """Copies of ``module`` made as ``torch.nn.parallel.replicate`` makes them, but on CPU.
+
+    Parameters become non-leaf aliases (gradients flow back into, and sum in, the
+    original Parameters); copy 0 holds the original buffers and the other copies hold
+    clones. No replication callback is run.
+    """
+    modules = list(module.modules())
+    index = {m: i for i, m in enumerate(modules)}
+    copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(num_copies)]
+    for i, original in enumerate(modules):
+        for copy_id in range(num_copies):
+            replica = copies[copy_id][i]
+            for key, child in original._modules.items():
+                setattr(replica, key, None if child is None else copies[copy_id][index[child]])
+            for key, param in original._parameters.items():
+                if param is None:
+                    replica._parameters[key] = None
+                else:
+                    setattr(replica, key, param.view_as(param))
+            for key, buffer in original._buffers.items():
+                if buffer is not None and copy_id > 0:
+                    buffer = buffer.clone()
+                setattr(replica, key, buffer)
+    return [c[0] for c in copies]
+
+
+def replicate(module: nn.Module, num_copies: int) -> list[nn.Module]:
+    """Copies of ``module`` as DataParallelWithCallback makes them: replicate, then callbacks."""
+    replicas = copies_like_replicate(module, num_copies)
+    execute_replication_callbacks(replicas)
+    return replicas
+
+
+def in_threads(work: Callable[[int], Any], num_copies: int) -> tuple[list[Any], list[Any]]:
+    """Run ``work(copy_id)`` in one thread per copy; return the results and the exceptions."""
+    results: list[Any] = [None] * num_copies
+    errors: list[BaseException | None] = [None] * num_copies
+
+    def run(copy_id: int) -> None:
+        try:
+            results[copy_id] = work(copy_id)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors[copy_id] = error
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(num_copies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_JOIN_SECONDS)
+    assert not any(t.is_alive() for t in threads), "a replica thread is still waiting"
+    return results, errors
+
+
+def forward_backward(
+    replicas: Sequence[nn.Module], xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each replica's forward and backward in its own thread; the outputs and input grads."""
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+    def work(copy_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        output = replicas[copy_id](leaves[copy_id])
+        output.backward(dys[copy_id])
+        return output.detach(), leaves[copy_id].grad
+
+    results, errors = in_threads(work, len(replicas))
+    for error in errors:
+        if error is not None:
+            raise error
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+
+def split(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    return list(tensor.split(list(sizes)))
+
+
+# sizes: one slice per replica, uneven, some empty
+CASES = {
+    "1d-NC": Case(sizes=(3, 0, 4), tail=(5,)),
+    "1d-NCL": Case(sizes=(2, 3), tail=(3, 7)),
+    "2d": Case(sizes=(1, 0, 2), tail=(3, 4, 5)),
+    "3d": Case(sizes=(2, 1), tail=(2, 3, 2, 4)),
+    "momentum-none-affine-false": Case(sizes=(0, 3, 2), momentum=None, affine=False),
+    "no-running-stats-eps": Case(sizes=(2, 2), track_running_stats=False, eps=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
+    case = CASES[name]
+    expected = reference(case)
+    xs, dys, weight, bias = case.data()
+    cls = SYNC_CLASSES[len(case.tail) + 1]
+    module = cls(
+        case.num_features,
+        eps=case.eps,
+        momentum=case.momentum,
+        affine=case.affine,
+        track_running_stats=case.track_running_stats,
+        dtype=torch.float64,
+    )
+    if case.affine:
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            module.bias.copy_(bias)
+
+    for step, (x, dy) in enumerate(zip(xs, dys)):
+        replicas = replicate(module, len(case.sizes))  # DataParallel replicates every step
+        output, grad_input = forward_backward(replicas, split(x, case.sizes), split(dy, case.sizes))
+        ref = expected["steps"][step]
+        torch.testing.assert_close(output, ref["output"], **TOL)
+        torch.testing.assert_close(grad_input, ref["grad_input"], **TOL)
+        if case.affine:
+            # each replica's share, summed by autograd into the original Parameters
+            torch.testing.assert_close(module.weight.grad, ref["grad_weight"], **TOL)
+            torch.testing.assert_close(module.bias.grad, ref["grad_bias"], **TOL)
+            module.zero_grad(set_to_none=True)
+        for replica in replicas[1:]:  # every copy computed the same global statistics
+            for ours, theirs in zip(replica.buffers(), replicas[0].buffers()):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+    state = module.state_dict()
+    assert state.keys() == expected["state"].keys()
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+class TwoLayers(nn.Module):
+    """Calls ``bn`` twice per forward and ``bn2`` once, with a Linear in between."""
+
+    def __init__(self, bn: type[nn.Module]) -> None:
+        super().__init__()
+        self.bn = bn(4, dtype=torch.float64)
+        self.linear = nn.Linear(4, 3, dtype=torch.float64)
+        self.bn2 = bn(3, momentum=None, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.linear(self.bn(x) + self.bn(x.square())))
+
+
+def test_repeated_calls_and_several_layers_pair_up_by_call_order() -> None:
+    torch.manual_seed(0)
+    expected_model = TwoLayers(nn.BatchNorm1d)
+    model = TwoLayers(SynchronizedBatchNorm1d)
+    model.load_state_dict(expected_model.state_dict())
+    sizes = (3, 1, 2)
+    for _ in range(2):
+        x = torch.randn(sum(sizes), 4, dtype=torch.float64)
+        dy = torch.randn(sum(sizes), 3, dtype=torch.float64)
+        leaf = x.clone().requires_grad_()
+        expected = expected_model(leaf)
+        expected.backward(dy)
+        output, grad_input = forward_backward(
+            replicate(model, len(sizes)), split(x, sizes), split(dy, sizes)
+        )
+        torch.testing.assert_close(output, expected.detach(), **TOL)
+        torch.testing.assert_close(grad_input, leaf.grad, **TOL)
+        for (key, param), ref in zip(model.named_parameters(), expected_model.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOL, msg=key)
+        model.zero_grad()
+        expected_model.zero_grad()
+    for key, value in expected_model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, **TOL, msg=key)
+
+
+@pytest.mark.parametrize("absent", [1, 0], ids=["other-absent", "master-absent"])
+def test_replica_that_never_calls_gives_a_clear_timeout_error(absent: int) -> None:
+    bn = SynchronizedBatchNorm2d(3)
+    bn.sync_timeout = 0.2
+    replicas = replicate(bn, 2)
+    present = 1 - absent
+
+    def work(copy_id: int) -> None:
+        if copy_id == present:
+            replicas[copy_id](torch.randn(2, 3, 4, 4))
+
+    _, errors = in_threads(work, 2)
+    assert isinstance(errors[present], RuntimeError)
+    message = str(errors[present])
+    assert f"replica {present} timed out after 0.2 s in forward (call 0)" in message
+    assert f"waiting for replica(s) [{absent}]" in message
+    assert "same number of times" in message
+    assert errors[absent] is None
+
+
+def test_backward_timeout_names_the_missing_replica() -> None:
+    replicas = replicate(SynchronizedBatchNorm1d(3), 2)
+    barrier = threading.Barrier(2, timeout=THREAD_JOIN_SECONDS)
+
+    def work(copy_id: int) -> None:
+        output = replicas[copy_id](torch.randn(2, 3, requires_grad=True))
+        barrier.wait()  # both forwards done (default timeout); only copy 0 runs backward
+        if copy_id == 0:
+            replicas[0]._replica_sync.timeout = 0.2  # type: ignore[union-attr]
+            output.sum().backward()
+
+    _, errors = in_threads(work, 2)
+    assert errors[1] is None
+    assert isinstance(errors[0], RuntimeError)
+    assert "in backward (call 0) waiting for replica(s) [1]" in str(errors[0])
+
+
+def test_invalid_input_on_one_replica_releases_the_others_with_its_error() -> None:
+    replicas = replicate(SynchronizedBatchNorm2d(3), 3)  # default timeout: no wait expected
+    channels = [3, 5, 3]
+
+    def work(copy_id: int) -> None:
+        replicas[copy_id](torch.randn(2, channels[copy_id], 4, 4))
+
+    _, errors = in_threads(work, 3)
+    assert isinstance(errors[1], ValueError)
+    assert "expected input with 3 channels" in str(errors[1])
+    for copy_id in (0, 2):
+        assert isinstance(errors[copy_id], RuntimeError)
+        assert "because replica 1 raised ValueError: expected input with 3" in str(errors[copy_id])
+
+
+class FailOnBatchOfThree(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 3:
+            raise OSError("simulated failure outside the BatchNorm layer")
+        return x
+
+
+def test_failure_outside_the_layer_releases_the_others() -> None:
+    model = nn.Sequential(FailOnBatchOfThree(), SynchronizedBatchNorm1d(2))
+    replicas = _fail_fast(replicate(model, 2))  # what DataParallelWithCallback runs
+    sizes = [2, 3]
+
+    def work(copy_id: int) -> None:
+        replicas[copy_id](torch.randn(sizes[copy_id], 2))
+
+    _, errors = in_threads(work, 2)
+    assert isinstance(errors[1], OSError)
+    assert isinstance(errors[0], RuntimeError)
+    assert "because replica 1 raised OSError: simulated failure" in str(errors[0])
+
+
+def test_global_batch_of_one_value_raises_like_torch_on_every_replica() -> None:
+    replicas = replicate(SynchronizedBatchNorm1d(3), 2)
+    sizes = [1, 0]
+    _, errors = in_threads(lambda i: replicas[i](torch.randn(sizes[i], 3)), 2)
+    for error in errors:
+        assert isinstance(error, ValueError)
+        assert "Expected more than 1 value per channel when training" in str(error)
+
+
+def test_without_several_replicas_the_layer_is_plain_batchnorm() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4)
+    expected, sync = nn.BatchNorm2d(3), SynchronizedBatchNorm2d(3)
+    # outside DataParallel, and as the only replica
+    for module in (sync, replicate(sync, 1)[0]):
+        torch.testing.assert_close(module(x), expected(x), rtol=0, atol=0)
+    torch.testing.assert_close(sync.state_dict(), expected.state_dict(), rtol=0, atol=0)
+    # a replica among several, in eval mode: runs alone, never waits
+    lonely = replicate(sync.eval(), 2)[1]
+    torch.testing.assert_close(lonely(x), expected.eval()(x), rtol=0, atol=0)
+
+
+def test_constructor_dim_checks_and_state_dict_match_torch() -> None:
+    pairs = [
+        (
+            SynchronizedBatchNorm1d,
+            nn.BatchNorm1d,
+            (4, 2, 2),
+            "expected 2D or 3D input (got 4D input)",
+        ),
+        (SynchronizedBatchNorm2d, nn.BatchNorm2d, (4, 2), "expected 4D input (got 3D input)"),
+        (SynchronizedBatchNorm3d, nn.BatchNorm3d, (4, 2), "expected 5D input (got 3D input)"),
+    ]
+    for sync_cls, torch_cls, tail, message in pairs:
+        kwargs = dict(eps=1e-3, momentum=0.3, affine=False, track_running_stats=True)
+        ours, theirs = sync_cls(4, **kwargs), torch_cls(4, **kwargs)
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+        ours.load_state_dict(nn.BatchNorm2d(4, affine=False).state_dict())
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            ours(torch.randn(2, *tail))
+    with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):
+        replicate(SynchronizedBatchNorm2d(4), 2)[0](torch.randn(2, 4, 2))  # fails before waiting
+
+
+class ActBatchNorm2d(nn.BatchNorm2d):
+    """A BatchNorm2d subclass that overrides forward (like timm's BatchNormAct2d)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(input))
+
+
+def small_resnet() -> nn.Sequential:
+    """A stand-in for torchvision's resnet18 (not installed): convs and BatchNorm layers."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, eps=1e-3)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+        nn.BatchNorm1d(4, momentum=None),
+    )
+
+
+class Mixed(nn.Module):
+    """A model with BatchNorm layers of every kind, and layers convert_model must leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_resnet()
+        self.act = ActBatchNorm2d(4)
+        self.group = nn.GroupNorm(2, 4)
+        self.bn3d = nn.BatchNorm3d(2, track_running_stats=False).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.group(self.body(x))
+        return self.act(features[:, :, None, None]).flatten(1) + self.bn3d(
+            features.view(-1, 2, 2, 1, 1)
+        ).view(features.shape)
+
+
+def test_convert_model_shares_state_and_keeps_behaviour() -> None:
+    torch.manual_seed(0)
+    model = Mixed()
+    reference_model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    with pytest.warns(UserWarning, match=r"'act' \(ActBatchNorm2d\) unconverted"):
+        converted = convert_model(nn.DataParallel(model))
+
+    assert isinstance(converted, DataParallelWithCallback)
+    assert converted.module is model  # converted in place
+    body = model.body
+    assert type(body[1]) is SynchronizedBatchNorm2d and type(body[7]) is SynchronizedBatchNorm1d
+    assert type(body[3][1]) is SynchronizedBatchNorm2d and body[3][1].eps == 1e-3
+    assert body[7].momentum is None
+    assert type(model.bn3d) is SynchronizedBatchNorm3d and not model.bn3d.training
+    assert model.bn3d.running_mean is None
+    assert type(model.act) is ActBatchNorm2d and type(model.group) is nn.GroupNorm
+    assert all(p is params[k] for k, p in model.named_parameters())
+    assert all(b is buffers[k] for k, b in model.named_buffers())
+
+    x = torch.randn(5, 3, 6, 6)
+    out = converted(x)  # on CPU, DataParallel calls the module: plain BatchNorm
+    torch.testing.assert_close(out, reference_model(x), rtol=0, atol=0)
+    torch.testing.assert_close(model.state_dict(), reference_model.state_dict(), rtol=0, atol=0)
+
+    single = convert_model(nn.BatchNorm3d(2))
+    assert type(single) is SynchronizedBatchNorm3d
+
+
+def test_convert_model_keeps_data_parallel_settings() -> None:
+    wrapped = nn.DataParallel(nn.Sequential(nn.BatchNorm1d(3)), device_ids=[0, 1], dim=0)
+    converted = convert_model(wrapped)
+    assert isinstance(converted, DataParallelWithCallback)
+    assert converted.device_ids == wrapped.device_ids
+    assert getattr(converted, "output_device", None) == getattr(wrapped, "output_device", None)
+
+
+def _replicas_without_callbacks(module: nn.Module, device_ids: Sequence[int]) -> list[nn.Module]:
+    return copies_like_replicate(module, len(device_ids))
+
+
+def _synced_copies(replicas: Sequence[nn.Module]) -> list[int]:
+    return [m._replica_sync.num_copies for r in replicas for m in r.modules() if m._replica_sync]  # type: ignore[union-attr]
+
+
+def test_patch_replication_callback_runs_the_callbacks_after_replicate() -> None:
+    data_parallel = nn.DataParallel(SynchronizedBatchNorm1d(3), device_ids=[0, 1])
+    data_parallel.replicate = _replicas_without_callbacks  # type: ignore[method-assign]
+    assert _synced_copies(data_parallel.replicate(data_parallel.module, [0, 1])) == []
+    patch_replication_callback(data_parallel)
+    patch_replication_callback(data_parallel)  # twice is harmless
+    assert _synced_copies(data_parallel.replicate(data_parallel.module, [0, 1])) == [2, 2]
+    with pytest.raises(TypeError, match="expects a torch.nn.DataParallel, got Sequential"):
+        patch_replication_callback(nn.Sequential())  # type: ignore[arg-type]
+
+
+def test_data_parallel_with_callback_runs_the_callbacks_after_replicate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        nn.DataParallel,
+        "replicate",
+        lambda self, module, ids: _replicas_without_callbacks(module, ids),
+    )
+    data_parallel = DataParallelWithCallback(SynchronizedBatchNorm1d(3), device_ids=[0, 1])
+    replicas = data_parallel.replicate(data_parallel.module, [0, 1, 2])
+    assert _synced_copies(replicas) == [3, 3, 3]
+
+
+def test_missing_cuda_devices_are_dropped_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"device_ids \[0, 1\] name devices .* running on \[0\]"):
+        assert _present_devices([0, 1], 1, device_count=1) == ([0], None)
+    with pytest.warns(UserWarning):
+        kept = _present_devices([torch.device("cuda:0"), "cuda:1"], None, device_count=1)
+    assert kept == ([torch.device("cuda:0")], None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _present_devices([0, 1], 1, device_count=2) == ([0, 1], 1)
+        assert _present_devices(None, None, device_count=1) == (None, None)
+        # nothing present: left to torch, which raises its own error
+        assert _present_devices([3], None, device_count=1) == ([3], None)
+
+
+def test_vacancy_readme_usage_runs() -> None:
+    """The three snippets of vacancy's README (torchvision's resnet18 replaced by a stand-in)."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    x = torch.randn(16, 10, device=device)
+    expected = nn.BatchNorm1d(10, eps=1e-5, affine=False).to(device)(x)
+
+    sync_bn = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False).to(device)
+    sync_bn = DataParallelWithCallback(sync_bn, device_ids=[0, 1])
+    torch.testing.assert_close(sync_bn(x), expected, rtol=1e-5, atol=1e-5)
+
+    if torch.cuda.device_count() != 1:  # torch's DataParallel rejects [0, 1] on one GPU
+        sync_bn = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False).to(device)
+        sync_bn = nn.DataParallel(sync_bn, device_ids=[0, 1])
+        patch_replication_callback(sync_bn)  # monkey-patching
+        torch.testing.assert_close(sync_bn(x), expected, rtol=1e-5, atol=1e-5)
+
+    m = small_resnet().to(device)
+    m = nn.DataParallel(m)
+    m = convert_model(m)
+    assert sum(isinstance(layer, SynchronizedBatchNorm2d) for layer in m.modules()) == 2
+    m(torch.randn(4, 3, 8, 8, device=device)).square().sum().backward()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_cuda_devices_match_batchnorm_on_whole_batch() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    expected_model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4)
+    ).to(device, torch.float64)
+    model = DataParallelWithCallback(convert_model(copy.deepcopy(expected_model)), [0, 1])
+    for _ in range(2):
+        x = torch.randn(5, 3, 6, 6, device=device, dtype=torch.float64)  # 3 + 2 per device
+        dy = torch.randn(5, 4, 6, 6, device=device, dtype=torch.float64)
+        x_ref, x_dp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected = expected_model(x_ref)
+        expected.backward(dy)
+        output = model(x_dp)
+        output.backward(dy)
+        torch.testing.assert_close(output, expected, **TOL)
+        torch.testing.assert_close(x_dp.grad, x_ref.grad, **TOL)
+        for param, ref in zip(model.module.parameters(), expected_model.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOL)
+        model.zero_grad()
+        expected_model.zero_grad()
+    torch.testing.assert_close(model.module.state_dict(), expected_model.state_dict(), **TOL)
