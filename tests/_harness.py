@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["ScenarioError", "WorkerPool"]
+__all__ = ["ScenarioError", "WorkerPool", "run_isolated"]
 
 #: Process-group timeout of the pool's ranks: a collective that waits longer fails.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=30)
@@ -37,9 +37,7 @@ class ScenarioError(RuntimeError):
     """A scenario raised, or did not finish in time, on at least one rank."""
 
 
-def _worker_main(
-    rank: int, world_size: int, init_file: str, inbox: Any, outbox: Any, pg_timeout: float
-) -> None:
+def _init_rank(rank: int, world_size: int, init_file: str, pg_timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -49,6 +47,12 @@ def _worker_main(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout),
     )
+
+
+def _worker_main(
+    rank: int, world_size: int, init_file: str, inbox: Any, outbox: Any, pg_timeout: float
+) -> None:
+    _init_rank(rank, world_size, init_file, pg_timeout)
     outbox.put((rank, "ready", None))
     while True:
         task = inbox.get()
@@ -162,3 +166,69 @@ class WorkerPool:
         self._inboxes = []
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
+
+
+def _isolated_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    outbox: Any,
+    pg_timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    _init_rank(rank, world_size, init_file, pg_timeout)
+    try:
+        outbox.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        outbox.put((rank, "error", traceback.format_exc()))
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)  # skip the process group's teardown, which may wait for dead peers
+
+
+def run_isolated(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    pg_timeout: float = 10.0,
+) -> list[tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` once on fresh ranks, for scenarios that break ranks.
+
+    Returns:
+        Per rank, ``("ok", result)``, ``("error", traceback)``, ``("dead", exitcode)`` for
+        a process that died without reporting, or ``("timeout", None)`` for one still
+        running after ``timeout`` seconds (it is killed).
+    """
+    context = mp.get_context("spawn")
+    outbox = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="syncbn-isolated-") as tmpdir:
+        init_file = os.path.join(tmpdir, "rendezvous")
+        processes = [
+            context.Process(
+                target=_isolated_main,
+                args=(rank, world_size, init_file, outbox, pg_timeout, fn, args),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = outbox.get(timeout=0.2)
+                outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            except queue.Empty:
+                for rank, process in enumerate(processes):
+                    # a rank that reported exits with 0; anything else died before reporting
+                    if rank not in outcomes and process.exitcode not in (None, 0):
+                        outcomes[rank] = ("dead", process.exitcode)
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5.0)
+            outcomes.setdefault(rank, ("timeout", None))
+    return [outcomes[rank] for rank in range(world_size)]

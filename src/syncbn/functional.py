@@ -17,7 +17,9 @@ from syncbn._autograd import (
 __all__ = ["sync_batch_norm"]
 
 
-def _input_problem(input: torch.Tensor, num_features: int | None) -> Exception | None:
+def _input_problem(
+    input: torch.Tensor, num_features: int | None, param_device: torch.device | None = None
+) -> Exception | None:
     """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch."""
     if input.dim() < 2:
         return ValueError(f"expected at least 2D input (got {input.dim()}D input)")
@@ -30,15 +32,17 @@ def _input_problem(input: torch.Tensor, num_features: int | None) -> Exception |
         return TypeError(
             f"SyncBatchNorm expects a floating point input, got input of dtype {input.dtype}"
         )
+    if param_device is not None and input.device != param_device:
+        return RuntimeError(
+            "Expected input and the layer's parameters and buffers to be on the same device, "
+            f"got input on {input.device} and parameters on {param_device}"
+        )
     return None
 
 
-def _channel_count(*tensors: torch.Tensor | None) -> int | None:
-    """The channel count implied by the first given per-channel tensor, if any."""
-    for tensor in tensors:
-        if tensor is not None:
-            return tensor.numel()
-    return None
+def _first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """The first per-channel tensor that is not ``None``, if any."""
+    return next((tensor for tensor in tensors if tensor is not None), None)
 
 
 def _validate(
@@ -46,13 +50,15 @@ def _validate(
     layer: LayerInfo | None,
     syncing: bool,
     group: dist.ProcessGroup | None,
+    param_device: torch.device | None,
 ) -> None:
     """Raise the input's error; when syncing, first tell the other ranks so none is left waiting."""
-    problem = _input_problem(input, None if layer is None else layer.num_features)
+    problem = _input_problem(input, None if layer is None else layer.num_features, param_device)
     if problem is None:
         return
     if syncing and layer is not None:
-        report_invalid_input(layer, input.device, group)
+        # the other ranks' buffers live where the parameters do
+        report_invalid_input(layer, param_device or input.device, group)
     raise problem
 
 
@@ -71,10 +77,12 @@ def _sync_batch_norm(
     """:func:`sync_batch_norm` with the calling layer's identity, for SyncBatchNorm modules."""
     world_size = distributed.get_world_size(process_group) if training else 1
     syncing = world_size > 1
-    if layer is None:
-        num_features = _channel_count(weight, bias, running_mean, running_var)
-        layer = None if num_features is None else LayerInfo("", num_features)
-    _validate(input, layer, syncing, process_group)
+    per_channel = _first_given(weight, bias, running_mean, running_var)
+    if layer is None and per_channel is not None:
+        layer = LayerInfo("", per_channel.numel())
+    _validate(
+        input, layer, syncing, process_group, None if per_channel is None else per_channel.device
+    )
     if training and is_recomputing():
         running_mean = running_var = None  # already updated by the original forward
     if not syncing:

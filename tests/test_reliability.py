@@ -1,0 +1,241 @@
+"""Misuse and faults become prompt, specific errors on every rank; state stays consistent."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _harness import WorkerPool, run_isolated
+from torch import nn
+
+import syncbn
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
+        return type(error).__name__, str(error)
+    return "ok", ""
+
+
+# --- layer-order check -------------------------------------------------------------------------
+
+
+def _different_layers(rank: int, world_size: int, phase: str) -> tuple[str, str]:
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)))
+    x = torch.randn(4, 3, requires_grad=True)
+    assert _outcome(model, x) == ("ok", "")  # both layers, in order, on every rank
+    if phase == "forward":
+        return _outcome(model[rank % 2], x)  # rank 0 calls layer '0', rank 1 layer '1'
+    out0, out1 = model[0](x), model[1](x)
+    # backward reaches the layers in a different order on different ranks
+    first, second = (out0, out1) if rank % 2 == 0 else (out1, out0)
+    return _outcome(lambda: (first.sum() * 1e-3 + second.sum().detach()).backward())
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_ranks_at_different_layers_raise_naming_their_own_layer(
+    pool: WorkerPool, phase: str
+) -> None:
+    for rank, (kind, message) in enumerate(pool.run(_different_layers, phase)):
+        assert kind == "RuntimeError", message
+        assert f"SyncBatchNorm layer mismatch in {phase}" in message
+        assert f"layer '{rank % 2}' (num_features=3, call 1)" in message
+        assert "same number of times" in message and "check_layer_order = False" in message
+
+
+def _check_disabled(rank: int, world_size: int) -> tuple[str, str]:
+    model = syncbn.convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)), check_layer_order=False
+    )
+    return _outcome(model[rank % 2], torch.randn(4, 3))
+
+
+def test_layer_order_check_can_be_turned_off(pool2: WorkerPool) -> None:
+    # same channel count: without the check the statistics of two layers mix silently
+    assert pool2.run(_check_disabled) == [("ok", "")] * 2
+
+
+def _different_channel_counts(rank: int, world_size: int) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3 if rank == 0 else 5)
+    return _outcome(bn, torch.randn(4, bn.num_features))
+
+
+def test_different_channel_counts_never_pass_silently() -> None:
+    """Payload lengths differ. gloo aborts the rank that receives more than it expects ("Received
+    data size doesn't match expected size"); the other rank raises either the layer-mismatch
+    error (the fingerprint trailer was not summed) or the wrapped backend error (peer gone)."""
+    short_rank, long_rank = run_isolated(_different_channel_counts, 2, timeout=60.0)
+    assert long_rank[0] == "ok", long_rank
+    kind, message = long_rank[1]
+    assert kind in ("RuntimeError", "DistBackendError"), message
+    assert (
+        "SyncBatchNorm layer mismatch in forward" in message and "num_features=5" in message
+    ) or (
+        "SyncBatchNorm all_reduce of 15 values" in message and "same number of times" in message
+    ), message
+    assert short_rank[0] == "dead" or "layer mismatch" in str(short_rank[1]), short_rank
+
+
+# --- a rank that stops participating -------------------------------------------------------------
+
+
+def _one_rank_skips(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    bn = syncbn.SyncBatchNorm(3, process_group=group)
+    start = time.monotonic()
+    outcome = ("skipped", "") if rank == world_size - 1 else _outcome(bn, torch.randn(4, 3))
+    return {"outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_rank_that_skips_a_layer_makes_the_others_fail_within_the_timeout(
+    pool: WorkerPool,
+) -> None:
+    *waiting, skipper = pool.run(_one_rank_skips, 2.0, timeout=60.0)
+    assert skipper["outcome"] == ("skipped", "")
+    for result in waiting:
+        kind, message = result["outcome"]
+        assert kind in ("RuntimeError", "DistBackendError"), message
+        assert "SyncBatchNorm all_reduce" in message and "same number of times" in message
+        assert result["seconds"] < 30.0
+
+
+def _killed_mid_step(rank: int, world_size: int) -> tuple[str, str, float]:
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    model(torch.randn(4, 3)).sum().backward()  # one full step together
+    if rank == 1:
+        os._exit(3)  # the process dies mid-step, before the next collective
+    start = time.monotonic()
+    kind, message = _outcome(lambda: model(torch.randn(4, 3)).sum().backward())
+    return kind, message, time.monotonic() - start
+
+
+def test_killed_rank_makes_the_survivors_fail_in_bounded_time() -> None:
+    survivor, killed = run_isolated(_killed_mid_step, 2, timeout=90.0, pg_timeout=5.0)
+    assert killed == ("dead", 3)
+    assert survivor[0] == "ok", survivor
+    kind, message, seconds = survivor[1]
+    assert kind in ("RuntimeError", "DistBackendError"), message
+    assert "SyncBatchNorm all_reduce" in message
+    assert seconds < 60.0
+
+
+# --- non-finite input ---
+
+
+def _non_finite(rank: int, world_size: int, value: float) -> dict[str, torch.Tensor]:
+    x = torch.arange(24, dtype=torch.float64).reshape(4, 3, 2) / 7.0
+    if rank == 0:
+        x[1, 1, 0] = value  # channel 1 of rank 0's batch
+    bn = syncbn.SyncBatchNorm(3, dtype=torch.float64)
+    y = bn(x)
+    return {"output": y.detach(), "mean": bn.running_mean.clone(), "var": bn.running_var.clone()}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_gives_batchnorm_pattern_without_hang(
+    pool: WorkerPool, value: float
+) -> None:
+    results = pool.run(_non_finite, value)
+    x = torch.arange(24, dtype=torch.float64).reshape(4, 3, 2) / 7.0
+    global_x = x.repeat(pool.world_size, 1, 1)
+    global_x[1, 1, 0] = value
+    reference = nn.BatchNorm1d(3, dtype=torch.float64)
+    expected = reference(global_x).detach()
+    output = torch.cat([r["output"] for r in results])
+    assert torch.equal(output.isnan(), expected.isnan())
+    assert torch.equal(output.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    torch.testing.assert_close(output[finite], expected[finite])
+    for result in results:
+        for key, ref in (("mean", reference.running_mean), ("var", reference.running_var)):
+            assert torch.equal(result[key].isfinite(), ref.isfinite()), key
+
+
+# --- consistency ---
+
+
+def _many_steps(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(100 + rank)  # every rank has different data and batch sizes
+    model = syncbn.convert_sync_batchnorm(
+        nn.Sequential(
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8, momentum=None),
+            nn.ReLU(),
+            nn.Conv2d(8, 4, 1),
+            nn.BatchNorm2d(4),
+        )
+    )
+    outputs = []
+    for step in range(30):
+        x = torch.randn((step + rank) % 4, 3, 6, 6) * 3 + step
+        if x.shape[0] == 0 and rank == 0:
+            x = torch.randn(2, 3, 6, 6)
+        y = model(x)
+        y.square().mean().backward() if y.numel() else y.sum().backward()
+        outputs.append(y.detach())
+    state = {
+        k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k
+    }
+    return {"state": state, "last": outputs[-1]}
+
+
+def test_running_stats_bitwise_identical_across_ranks_and_runs(pool: WorkerPool) -> None:
+    first = pool.run(_many_steps)
+    for result in first[1:]:
+        for key, value in first[0]["state"].items():
+            assert torch.equal(result["state"][key], value), key
+    second = pool.run(_many_steps)
+    for a, b in zip(first, second):
+        assert torch.equal(a["last"], b["last"])
+        for key, value in a["state"].items():
+            assert torch.equal(b["state"][key], value), key
+
+
+# --- input validation as a user meets it ---------------------------------------------------------
+
+
+def test_complex_input_is_refused() -> None:
+    with pytest.raises(TypeError, match="floating point input, got input of dtype torch.complex64"):
+        syncbn.SyncBatchNorm(2)(torch.randn(3, 2, dtype=torch.complex64))
+
+
+def _device_mismatch(rank: int, world_size: int) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)
+    x = torch.randn(4, 3, device="meta" if rank == 0 else "cpu")
+    return _outcome(bn, x)
+
+
+def test_input_on_another_device_than_the_parameters(pool2: WorkerPool) -> None:
+    (kind0, message0), (kind1, message1) = pool2.run(_device_mismatch)
+    assert kind0 == "RuntimeError" and "input on meta and parameters on cpu" in message0
+    assert kind1 == "RuntimeError" and "reported invalid input" in message1
+
+
+def _training_without_grad(rank: int, world_size: int) -> dict[str, Any]:
+    bn = syncbn.SyncBatchNorm(3, momentum=1.0)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * world_size, 3, generator=gen)
+    with torch.no_grad():
+        y = bn(x[3 * rank : 3 * rank + 3])
+    return {"requires_grad": y.requires_grad, "mean": bn.running_mean.clone(), "x": x}
+
+
+def test_training_mode_under_no_grad_still_syncs(pool: WorkerPool) -> None:
+    for result in pool.run(_training_without_grad):
+        assert not result["requires_grad"]
+        torch.testing.assert_close(result["mean"], result["x"].mean(0))
+
+
+def test_functional_without_process_group_is_batch_norm() -> None:
+    x = torch.randn(4, 3, 5)
+    mean, var = torch.zeros(3), torch.ones(3)
+    expected = F.batch_norm(x, torch.zeros(3), torch.ones(3), training=True)
+    assert torch.equal(syncbn.sync_batch_norm(x, mean, var, training=True), expected)
