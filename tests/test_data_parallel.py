@@ -367,7 +367,7 @@ def test_convert_model_shares_state_and_keeps_behaviour() -> None:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
 
-    with pytest.warns(UserWarning, match=r"'act' \(ActBatchNorm2d\) unconverted"):
+    with pytest.warns(UserWarning, match=r"left 'act' \(ActBatchNorm2d, a subclass of Batch"):
         converted = convert_model(nn.DataParallel(model))
 
     assert isinstance(converted, DataParallelWithCallback)

@@ -651,18 +651,15 @@ _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] 
 )
 
 
-def _synchronized(module: nn.Module, path: str) -> nn.Module:
+def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module:
     """The synchronized twin of one BatchNorm layer, sharing its state; or the layer itself."""
     for torch_class, sync_class in _CONVERSIONS:
         if not isinstance(module, torch_class):
             continue
         if type(module).forward is not _BatchNorm.forward:
-            warnings.warn(
-                f"convert_model left '{path or type(module).__name__}' "
-                f"({type(module).__qualname__}) unconverted: it subclasses {torch_class.__name__} "
-                "but overrides forward(), and converting it would drop that behaviour. It keeps "
-                "per-replica statistics.",
-                stacklevel=4,
+            skipped.append(
+                f"'{path or type(module).__name__}' ({type(module).__qualname__}, a subclass "
+                f"of {torch_class.__name__})"
             )
             return module
         twin = sync_class(
@@ -682,10 +679,10 @@ def _synchronized(module: nn.Module, path: str) -> nn.Module:
     return module
 
 
-def _convert(module: nn.Module, path: str) -> nn.Module:
-    result = _synchronized(module, path)
+def _convert(module: nn.Module, path: str, skipped: list[str]) -> nn.Module:
+    result = _synchronized(module, path, skipped)
     for name, child in module.named_children():
-        result.add_module(name, _convert(child, f"{path}.{name}" if path else name))
+        result.add_module(name, _convert(child, f"{path}.{name}" if path else name, skipped))
     return result
 
 
@@ -715,11 +712,20 @@ def convert_model(module: nn.Module) -> nn.Module:
         >>> m = torch.nn.DataParallel(m)
         >>> m = convert_model(m)  # a DataParallelWithCallback with SyncBN inside
     """
+    skipped: list[str] = []
+    inner = module.module if isinstance(module, nn.DataParallel) else module
+    converted = _convert(inner, "", skipped)
+    for description in skipped:
+        warnings.warn(
+            f"convert_model left {description} unconverted: it overrides forward(), and "
+            "converting it would drop that behaviour; it keeps per-replica statistics",
+            stacklevel=2,
+        )
     if isinstance(module, nn.DataParallel):
         return DataParallelWithCallback(
-            convert_model(module.module),
+            converted,
             device_ids=module.device_ids or None,
             output_device=getattr(module, "output_device", None),
             dim=getattr(module, "dim", 0),
         )
-    return _convert(module, "")
+    return converted
