@@ -1,0 +1,230 @@
+"""Train a small CNN with syncbn.SyncBatchNorm under DistributedDataParallel.
+
+A torchrun-ready script to copy into your own project. It follows the usual recipe:
+one process per device, ``init_process_group`` from the environment torchrun sets,
+``syncbn.convert_sync_batchnorm``, DDP, a ``DistributedSampler`` with ``set_epoch``,
+and logging from rank 0 only. It runs on CPU with gloo and on GPUs with nccl (chosen
+automatically). The data is synthetic and generated from ``--seed``: no downloads.
+
+One node, two processes::
+
+    torchrun --standalone --nproc_per_node=2 examples/train_ddp.py
+
+Two nodes (run on each node; NODE0_ADDR is an address of node 0 that node 1 can reach)::
+
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \\
+        --rdzv_endpoint=NODE0_ADDR:29400 --rdzv_id=syncbn-example examples/train_ddp.py
+
+See examples/README.md for more (a two-node run simulated on one machine, network
+interfaces, the options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import syncbn
+
+NUM_CLASSES = 4
+IMAGE_SIZE = 16
+
+log = logging.getLogger("train_ddp")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="stop each epoch after N steps")
+    parser.add_argument("--batch-size", type=int, default=16, help="per process (default 16)")
+    parser.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the model")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cuda if available, else cpu",
+    )
+    parser.add_argument("--backend", default=None, help="default: nccl on cuda, gloo on cpu")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait for the other ranks",
+    )
+    parser.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="keep plain BatchNorm (per-process statistics), to compare",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write rank{RANK}.pt (BatchNorm running stats) and model.pt here",
+    )
+    args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--epochs, --batch-size and --steps must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
+        parser.error(
+            "RANK, LOCAL_RANK and WORLD_SIZE are not set: launch this script with torchrun, "
+            "e.g. torchrun --standalone --nproc_per_node=2 examples/train_ddp.py"
+        )
+    return args
+
+
+def make_datasets(
+    seed: int, train_size: int = 2048, test_size: int = 512
+) -> tuple[TensorDataset, TensorDataset]:
+    """Noisy images of NUM_CLASSES random patterns; the same on every rank for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(NUM_CLASSES, 1, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+
+    def sample(size: int) -> TensorDataset:
+        labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
+        gain = 1 + torch.rand(size, 1, 1, 1, generator=generator)
+        noise = 2 * torch.randn(size, 1, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+        return TensorDataset(gain * patterns[labels] + noise, labels)
+
+    return sample(train_size), sample(test_size)
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, NUM_CLASSES),
+    )
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, dataset: TensorDataset, device: torch.device) -> float:
+    model.eval()  # eval mode uses the running statistics and never communicates
+    images, labels = (tensor.to(device) for tensor in dataset.tensors)
+    return (model(images).argmax(dim=1) == labels).float().mean().item()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # torchrun sets these, plus MASTER_ADDR and MASTER_PORT for init_method="env://".
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+    )
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = args.backend or ("nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    try:
+        train(args, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> None:
+    train_set, test_set = make_datasets(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts them)
+    model = make_model()
+    if not args.no_sync:
+        model = syncbn.convert_sync_batchnorm(model)
+    model = model.to(device)
+    ddp_model = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+    # SyncBatchNorm keeps the running statistics identical on every rank by itself, so DDP
+    # need not broadcast rank 0's buffers before every forward (with --no-sync, each rank
+    # keeps its own). An attribute, because torch 2.13 renamed the constructor argument.
+    ddp_model.broadcast_buffers = False
+
+    # Each rank reads its own 1/world_size of the data; drop_last keeps every rank at
+    # the same number of equal batches (every rank must call each BatchNorm layer alike).
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than each rank's share of the data "
+            f"({len(sampler)} samples)"
+        )
+    steps_per_epoch = min(len(loader), args.steps or len(loader))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
+    # decaying to 0 lets the running statistics catch up with the last weights
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * steps_per_epoch)
+    norm = "plain BatchNorm (per-process statistics)" if args.no_sync else "syncbn.SyncBatchNorm"
+    log.info(
+        "%d processes on %s (%s), %s, batch %d per process = %d in all",
+        world_size,
+        device.type,
+        dist.get_backend(),
+        norm,
+        args.batch_size,
+        args.batch_size * world_size,
+    )
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same split on every rank
+        ddp_model.train()
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+        for step, (images, labels) in enumerate(loader):
+            if step == steps_per_epoch:
+                break
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(ddp_model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            totals += torch.stack([loss.detach() * len(labels), totals.new_tensor(len(labels))])
+        dist.all_reduce(totals)  # the loss over all ranks, for the log
+        log.info("epoch %d: train loss %.4f", epoch + 1, (totals[0] / totals[1]).item())
+
+    if rank == 0:  # rank 0's copy of the model (the others hold the same weights)
+        log.info("test accuracy %.3f", accuracy(model, test_set, device))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        state = model.state_dict()  # same keys as with plain BatchNorm
+        stats = {
+            k: v.cpu() for k, v in state.items() if k.endswith(("running_mean", "running_var"))
+        }
+        torch.save(stats, args.out / f"rank{rank}.pt")
+        if rank == 0:
+            torch.save(state, args.out / "model.pt")
+            log.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""examples/train_ddp.py: its argument checks, and the torchrun launches of examples/README.md.
+
+Each launch runs the real script with tiny settings under ``python -m torch.distributed.run``
+(torchrun), on CPU with gloo, bound to the loopback interface, and is killed (with its
+whole process group) if it outlives ``LAUNCH_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_ddp.py"
+TINY = ["--epochs", "2", "--steps", "2", "--batch-size", "4", "--timeout", "60"]
+LAUNCH_TIMEOUT = 90.0  # seconds; below pytest-timeout's 120 so that cleanup runs first
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if loopback:  # gloo binds this interface instead of the one the hostname resolves to
+        env["GLOO_SOCKET_IFNAME"] = loopback[0]
+    return env
+
+
+def _torchrun(*options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPT)]
+
+
+def _launch(tmp_path: Path, *commands: list[str]) -> str:
+    """Run the commands concurrently; return their joined output or fail with it."""
+    logs = [tmp_path / f"launch{i}.log" for i in range(len(commands))]
+    procs = []
+    timed_out = False
+    try:
+        for command, log in zip(commands, logs):
+            with log.open("w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=ROOT,
+                        env=_env(),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group, to kill the workers too
+                    )
+                )
+        for proc in procs:
+            proc.wait(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    output = "\n".join(log.read_text() for log in logs)
+    codes = [proc.returncode for proc in procs]
+    assert not timed_out, f"killed after {LAUNCH_TIMEOUT} s:\n{output}"
+    assert codes == [0] * len(commands), f"exit codes {codes}:\n{output}"
+    return output
+
+
+def _running_stats(out: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
+    stats = [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+    assert sorted(stats[0]) == [
+        "1.running_mean",
+        "1.running_var",
+        "5.running_mean",
+        "5.running_var",
+    ]
+    return stats
+
+
+def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_requires_torchrun_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _example()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args([])
+    assert exit_info.value.code == 2
+    assert "launch this script with torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--batch-size", "0"], ["--epochs", "0"], ["--steps", "-1"]])
+def test_rejects_non_positive_sizes(
+    option: list[str], monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    example = _example()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        example.parse_args(option)
+    assert "must be positive" in capsys.readouterr().err
+
+
+def test_one_node(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    output = _launch(
+        tmp_path, _torchrun("--standalone", "--nproc_per_node=2") + TINY + ["--out", str(out)]
+    )
+
+    assert output.count("2 processes on cpu (gloo), syncbn.SyncBatchNorm") == 1, output
+    assert output.count("epoch 2: train loss") == 1, output  # logged by rank 0 only
+    stats = _running_stats(out, world_size=2)
+    assert _identical(stats[0], stats[1])
+    # The checkpoint has plain BatchNorm's keys: it loads into the unconverted model.
+    model = _example().make_model()
+    model.load_state_dict(torch.load(out / "model.pt"))
+    assert torch.equal(model[1].running_var, stats[0]["1.running_var"])
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "no-sync"])
+def test_two_nodes_on_loopback(tmp_path: Path, sync: bool) -> None:
+    out = tmp_path / "out"
+    agent = _torchrun(
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv_id={tmp_path.name}",
+        "--local_addr=127.0.0.1",
+    )
+    options = TINY + ["--out", str(out)] + ([] if sync else ["--no-sync"])
+    output = _launch(tmp_path, agent + options, agent + options)
+
+    assert output.count("4 processes on cpu (gloo)") == 1, output
+    stats = _running_stats(out, world_size=4)
+    for rank in (1, 2, 3):
+        assert _identical(stats[0], stats[rank]) == sync, f"rank {rank}"
