@@ -1,0 +1,876 @@
+"""Pure helpers of the benchmark suite: floors, ratios, verdicts and the markdown report.
+
+Nothing here runs a benchmark; everything takes the raw numbers that ``suite.py``
+measured (a JSON-like dict) and derives what ``results.md`` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "CATEGORIES",
+    "TARGETS",
+    "categorize",
+    "collective_summary",
+    "derive",
+    "derive_layer",
+    "derive_model",
+    "floors",
+    "miss_factor",
+    "render_markdown",
+    "verdict",
+]
+
+#: Target limits of issue 5 (ratios; "at least" for the speed-up, "at most" otherwise).
+TARGETS = {
+    "compute_vs_batchnorm": 1.0,
+    "compute_vs_batchnorm_float32_contiguous": 0.6,
+    "compute_vs_traffic_floor_float32": 2.5,
+    "speedup_vs_reference": 1.5,
+    "model_overhead_vs_latency_floor": 1.5,
+}
+
+#: Profile categories: (category, substrings of aten op names), first match wins.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collectives", ("allreduce", "all_reduce", "gloo", "nccl", "barrier", "c10d")),
+    ("host reads", ("aten::item", "aten::_local_scalar_dense")),
+    (
+        "normalize (batch_norm kernel)",
+        ("aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "legit"),
+    ),
+    ("backward reductions (native_batch_norm_backward)", ("aten::native_batch_norm_backward",)),
+    ("input gradient (addcmul)", ("aten::addcmul",)),
+    (
+        "forward statistics (sub/square/sum)",
+        ("aten::sub", "aten::square", "aten::pow", "aten::sum"),
+    ),
+    ("dtype conversions / copies", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone")),
+    (
+        "allocations",
+        ("aten::empty", "aten::zeros", "aten::new_zeros", "aten::fill_", "aten::zero_"),
+    ),
+)
+OTHER = "other (small per-channel ops, autograd, Python)"
+
+#: Bytes that must move, in units of the input's size: forward reads x twice (statistics,
+#: normalization) and writes y; backward reads x and dy twice (reductions, input gradient)
+#: and writes dx.
+FORWARD_PASSES = 3
+BACKWARD_PASSES = 5
+
+
+def verdict(value: float | None, limit: float | None, at_least: bool = False) -> str:
+    """``PASS`` if ``value`` meets ``limit`` (``<=``, or ``>=`` if ``at_least``), else ``MISS``.
+
+    Returns ``n/a`` when either is missing.
+    """
+    if value is None or limit is None:
+        return "n/a"
+    met = value >= limit if at_least else value <= limit
+    return "PASS" if met else "MISS"
+
+
+def miss_factor(value: float, limit: float, at_least: bool = False) -> float:
+    """How far ``value`` is from ``limit`` as a factor (> 1 means missed by that factor)."""
+    return limit / value if at_least else value / limit
+
+
+def floors(copy_s: float, nbytes: int) -> dict[str, float]:
+    """Memory-traffic floors from the time of one copy of a tensor of ``nbytes`` bytes.
+
+    A copy moves ``2 * nbytes`` (read and write), so the bandwidth is
+    ``2 * nbytes / copy_s``; the forward floor moves 3 tensor sizes, the backward 5.
+    """
+    bandwidth = 2 * nbytes / copy_s
+    return {
+        "bandwidth_gbps": bandwidth / 1e9,
+        "forward_s": FORWARD_PASSES * nbytes / bandwidth,
+        "backward_s": BACKWARD_PASSES * nbytes / bandwidth,
+        "forward_backward_s": (FORWARD_PASSES + BACKWARD_PASSES) * nbytes / bandwidth,
+    }
+
+
+def derive_layer(case: dict[str, Any]) -> dict[str, Any]:
+    """Ratios and verdicts of one per-layer case from its measured median times."""
+    t = case["times_s"]
+    floor = floors(t["copy"], case["bytes"])
+    latency_fwd, latency_bwd = t["all_reduce.forward"], t["all_reduce.backward"]
+    compute_fwd = t["syncbn.forward"] - latency_fwd
+    compute = t["syncbn.forward_backward"] - latency_fwd - latency_bwd
+    float32 = case["dtype"] == "float32"
+    contiguous = case["memory_format"] == "contiguous"
+    bn_limit = (
+        TARGETS["compute_vs_batchnorm_float32_contiguous"]
+        if float32 and contiguous
+        else TARGETS["compute_vs_batchnorm"]
+    )
+    floor_limit = TARGETS["compute_vs_traffic_floor_float32"] if float32 else None
+    vs_bn = compute / t["batchnorm.forward_backward"]
+    vs_floor = compute / floor["forward_backward_s"]
+    speedup = t["reference.forward_backward"] / t["syncbn.forward_backward"]
+    row = {
+        "shape": case["shape"],
+        "dtype": case["dtype"],
+        "memory_format": case["memory_format"],
+        "batchnorm_s": t["batchnorm.forward_backward"],
+        "syncbn_s": t["syncbn.forward_backward"],
+        "reference_s": t["reference.forward_backward"],
+        "latency_s": latency_fwd + latency_bwd,
+        "syncbn_compute_s": compute,
+        "traffic_floor_s": floor["forward_backward_s"],
+        "bandwidth_gbps": floor["bandwidth_gbps"],
+        "compute_vs_batchnorm": vs_bn,
+        "compute_vs_batchnorm_limit": bn_limit,
+        "compute_vs_batchnorm_verdict": verdict(vs_bn, bn_limit),
+        "compute_vs_floor": vs_floor,
+        "compute_vs_floor_limit": floor_limit,
+        "compute_vs_floor_verdict": verdict(vs_floor, floor_limit),
+        "speedup_vs_reference": speedup,
+        "speedup_vs_reference_verdict": verdict(
+            speedup, TARGETS["speedup_vs_reference"], at_least=True
+        ),
+        "forward": {
+            "batchnorm_s": t["batchnorm.forward"],
+            "syncbn_s": t["syncbn.forward"],
+            "reference_s": t["reference.forward"],
+            "latency_s": latency_fwd,
+            "syncbn_compute_s": compute_fwd,
+            "traffic_floor_s": floor["forward_s"],
+            "compute_vs_batchnorm": compute_fwd / t["batchnorm.forward"],
+            "compute_vs_floor": compute_fwd / floor["forward_s"],
+            "speedup_vs_reference": t["reference.forward"] / t["syncbn.forward"],
+        },
+        "layer_order_check_s": t["syncbn.forward_backward"]
+        - t["syncbn_unchecked.forward_backward"],
+        "noise_iqr_s": case.get("iqr_s", {}).get("syncbn.forward_backward"),
+    }
+    if "torch_syncbn.forward_backward" in t:
+        row["torch_syncbn_s"] = t["torch_syncbn.forward_backward"]
+        row["speedup_vs_torch_syncbn"] = t["torch_syncbn.forward_backward"] / row["syncbn_s"]
+    return row
+
+
+def derive_model(model: dict[str, Any]) -> dict[str, Any]:
+    """Whole-model overheads of SyncBatchNorm over BatchNorm against the latency floor."""
+    t = model["times_s"]
+    floor = sum(t[f"all_reduce.{nbytes}"] for nbytes in model["syncbn_collective_bytes"])
+    limit = TARGETS["model_overhead_vs_latency_floor"]
+    row: dict[str, Any] = {"batchnorm_step_s": t["batchnorm"], "latency_floor_s": floor}
+    for variant in ("syncbn", "syncbn_own_group"):
+        if variant not in t:
+            continue
+        overhead = t[variant] - t["batchnorm"]
+        row[variant] = {
+            "step_s": t[variant],
+            "overhead_s": overhead,
+            "overhead_vs_floor": overhead / floor,
+            "verdict": verdict(overhead / floor, limit),
+        }
+    return row
+
+
+def _phase_summary(entries: list[list[Any]]) -> tuple[int, int]:
+    return len(entries), sum(int(nbytes) for _name, nbytes in entries)
+
+
+def collective_summary(
+    by_world_size: dict[str, list[list[dict[str, Any]]]],
+) -> list[dict[str, Any]]:
+    """Collectives and bytes per layer call, per world size; ``identical`` over ranks and sizes.
+
+    Args:
+        by_world_size: for each world size (as a string), every rank's rows from
+            ``collectives_rank``.
+    """
+    table: dict[tuple[str, ...], dict[str, Any]] = {}
+    for world_size, ranks in sorted(by_world_size.items(), key=lambda item: int(item[0])):
+        for rank_rows in ranks:
+            for row in rank_rows:
+                key = (
+                    "x".join(map(str, row["shape"])),
+                    row["dtype"],
+                    row["memory_format"],
+                    row["layer"],
+                )
+                entry = table.setdefault(
+                    key,
+                    {
+                        "shape": row["shape"],
+                        "dtype": row["dtype"],
+                        "memory_format": row["memory_format"],
+                        "layer": row["layer"],
+                        "per_world_size": {},
+                    },
+                )
+                counts = _phase_summary(row["forward"]) + _phase_summary(row["backward"])
+                entry["per_world_size"].setdefault(world_size, []).append(counts)
+    result = []
+    for entry in table.values():
+        seen = {counts for per_rank in entry["per_world_size"].values() for counts in per_rank}
+        first = next(iter(entry["per_world_size"].values()))[0]
+        entry["collectives_forward"], entry["bytes_forward"] = first[0], first[1]
+        entry["collectives_backward"], entry["bytes_backward"] = first[2], first[3]
+        entry["identical"] = len(seen) == 1
+        result.append(entry)
+    return result
+
+
+def derive(results: dict[str, Any]) -> dict[str, Any]:
+    """Everything ``results.md`` reports, derived from the raw measurements."""
+    derived: dict[str, Any] = {}
+    targets = []
+    if "layers" in results:
+        rows = [derive_layer(case) for case in results["layers"]["cases"]]
+        derived["layers"] = rows
+
+        def worst(
+            key: str, selected: Iterable[dict[str, Any]], limit: float, at_least: bool = False
+        ) -> None:
+            values = [(row[key], row) for row in selected]
+            if not values:
+                return
+            value, row = (min if at_least else max)(values, key=lambda item: item[0])
+            misses = sum(verdict(v, limit, at_least) == "MISS" for v, _ in values)
+            targets.append(
+                {
+                    "target": key,
+                    "limit": limit,
+                    "at_least": at_least,
+                    "worst": value,
+                    "worst_case": _case_label(row),
+                    "misses": misses,
+                    "cases": len(values),
+                    "verdict": "PASS" if misses == 0 else "MISS",
+                }
+            )
+
+        f32 = [row for row in rows if row["dtype"] == "float32"]
+        f32_contiguous = [row for row in f32 if row["memory_format"] == "contiguous"]
+        worst("compute_vs_batchnorm", rows, TARGETS["compute_vs_batchnorm"])
+        worst(
+            "compute_vs_batchnorm",
+            f32_contiguous,
+            TARGETS["compute_vs_batchnorm_float32_contiguous"],
+        )
+        worst("compute_vs_floor", f32, TARGETS["compute_vs_traffic_floor_float32"])
+        worst("speedup_vs_reference", rows, TARGETS["speedup_vs_reference"], at_least=True)
+    if "model" in results:
+        derived["model"] = derive_model(results["model"])
+        entry = derived["model"]["syncbn"]
+        targets.append(
+            {
+                "target": "model_overhead_vs_latency_floor",
+                "limit": TARGETS["model_overhead_vs_latency_floor"],
+                "at_least": False,
+                "worst": entry["overhead_vs_floor"],
+                "worst_case": "SmallResNet step, SyncBN on the default group",
+                "misses": int(entry["verdict"] == "MISS"),
+                "cases": 1,
+                "verdict": entry["verdict"],
+            }
+        )
+    if "collectives" in results:
+        summary = collective_summary(results["collectives"])
+        derived["collectives"] = summary
+        syncbn_rows = [row for row in summary if row["layer"] == "syncbn"]
+        misses = sum(not row["identical"] for row in syncbn_rows)
+        targets.append(
+            {
+                "target": "syncbn_bytes_identical_over_world_sizes",
+                "limit": None,
+                "at_least": False,
+                "worst": None,
+                "worst_case": "",
+                "misses": misses,
+                "cases": len(syncbn_rows),
+                "verdict": "PASS" if misses == 0 else "MISS",
+            }
+        )
+    if "memory" in results:
+        memory = []
+        for case in results["memory"]["cases"]:
+            saved_ok = case["syncbn"]["saved_bytes"] <= case["batchnorm"]["saved_bytes"]
+            memory.append({**case, "saved_verdict": "PASS" if saved_ok else "MISS"})
+        derived["memory"] = memory
+        misses = sum(row["saved_verdict"] == "MISS" for row in memory)
+        targets.append(
+            {
+                "target": "saved_bytes_not_more_than_batchnorm",
+                "limit": None,
+                "at_least": False,
+                "worst": None,
+                "worst_case": "",
+                "misses": misses,
+                "cases": len(memory),
+                "verdict": "PASS" if misses == 0 else "MISS",
+            }
+        )
+    derived["targets"] = targets
+    return derived
+
+
+def categorize(ops: list[dict[str, Any]]) -> dict[str, float]:
+    """Self time per iteration (us) summed into :data:`CATEGORIES`."""
+    totals: dict[str, float] = {}
+    for op in ops:
+        name = op["name"]
+        category = next(
+            (label for label, keys in CATEGORIES if any(k in name for k in keys)), OTHER
+        )
+        totals[category] = totals.get(category, 0.0) + op["self_us"]
+    return totals
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _case_label(row: dict[str, Any]) -> str:
+    shape = "x".join(map(str, row["shape"]))
+    fmt = "CL" if row["memory_format"] == "channels_last" else "contig"
+    return f"{shape} {row['dtype']} {fmt}"
+
+
+def _ms(seconds: float | None, digits: int = 3) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.{digits}f}"
+
+
+def _us(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e6:.0f}"
+
+
+def _ratio(value: float | None, verdict_text: str | None = None) -> str:
+    if value is None:
+        return ""
+    text = f"{value:.2f}x"
+    return f"{text} {verdict_text}" if verdict_text and verdict_text != "n/a" else text
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _describe_target(target: dict[str, Any]) -> str:
+    names = {
+        "compute_vs_batchnorm": "SyncBN compute / BatchNorm, forward+backward",
+        "compute_vs_floor": "SyncBN compute / memory-traffic floor, forward+backward, float32",
+        "speedup_vs_reference": "reference SyncBN time / SyncBN time, forward+backward",
+        "model_overhead_vs_latency_floor": "whole-model SyncBN overhead / collective-latency floor",
+        "syncbn_bytes_identical_over_world_sizes": "bytes per collective identical, world 2/3/4",
+        "saved_bytes_not_more_than_batchnorm": "bytes saved for backward <= BatchNorm's",
+    }
+    text = names.get(target["target"], target["target"])
+    if target["target"] == "compute_vs_batchnorm":
+        scope = "float32 contiguous" if target["limit"] < 1.0 else "all cases"
+        text += f" ({scope})"
+    return text
+
+
+def _limit_text(target: dict[str, Any]) -> str:
+    if target["limit"] is None:
+        return "yes"
+    return f"{'>=' if target['at_least'] else '<='} {target['limit']:g}x"
+
+
+def render_markdown(results: dict[str, Any], derived: dict[str, Any]) -> str:
+    """The whole ``results.md`` text."""
+    machine = results["machine"]
+    settings = results["settings"]
+    out = [
+        "# syncbn benchmark results",
+        "",
+        f"Generated by `{results['command']}` on {machine['date']} in "
+        f"{results['wall_s']:.0f} s. Raw numbers: `results.json` (same directory).",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores, "
+        f"{machine['memory_gib']} GiB, {machine['platform']}"
+        + (f", GPU {machine['cuda']}" if machine.get("cuda") else ""),
+        f"- Software: Python {machine['python']}, torch {machine['torch']}, "
+        f"syncbn {machine['syncbn']}" + (f" (git {results['git']})" if results.get("git") else ""),
+        f"- Ranks: {settings['world_size']} {settings['backend']} ranks on {settings['device']}, "
+        "spawned by torch.multiprocessing, `file://` rendezvous, "
+        "`torch.set_num_threads(1)` per rank",
+        f"- Timing: every measurement runs on all ranks together; per case all variants are "
+        f"interleaved, {settings['repeats']} timed blocks each of at least "
+        f"{settings['min_block_time'] * 1e3:g} ms (same call count on every rank, barrier "
+        f"before each block, {settings['warmup']} warm-up calls, GC off); a variant's time is "
+        "the maximum over ranks of each rank's median per-call time",
+        f"- Load average (1/5/15 min) at start {machine.get('load_average')}, at end "
+        f"{results.get('load_average_end')}"
+        + (
+            " — **the machine was shared and busy during this run: treat the numbers as "
+            "noisy and rerun on a quiet machine before drawing fine conclusions**"
+            if _busy(machine, results)
+            else ""
+        ),
+        "",
+        "Definitions: *collectives* = median latency of all_reduces of the float64 payloads "
+        "that SyncBatchNorm sends (counted in the same run: see 'Collectives per layer call'), "
+        "measured alone in the same run; "
+        "*SyncBN compute* = SyncBatchNorm time minus that latency; *traffic floor* = bytes "
+        "that must move (forward: read x twice, write y; backward: read x and dy twice, write "
+        "dx; 8 tensor sizes in all) divided by the bandwidth of copying a tensor of the same "
+        "size, dtype and layout in the same run; *reference* = the straightforward SyncBN of "
+        "`reference_syncbn.py` (autograd through an all_reduce of sum and sum of squares). "
+        "Times are per layer call on one rank's local batch of the given shape.",
+        "",
+    ]
+    out += _targets_section(derived)
+    if "layers" in derived:
+        out += _layers_section(results, derived)
+    if "model" in derived:
+        out += _model_section(results, derived)
+    if "collectives" in derived:
+        out += _collectives_section(derived)
+    if "memory" in derived:
+        out += _memory_section(derived)
+    if "profiles" in results or "blocks" in results:
+        out += _profile_section(results)
+    out += _misses_section(results, derived)
+    return "\n".join(out) + "\n"
+
+
+def _busy(machine: dict[str, Any], results: dict[str, Any]) -> bool:
+    loads = [machine.get("load_average"), results.get("load_average_end")]
+    cores = machine.get("cpu_count") or 1
+    # the benchmark itself keeps `world_size` cores busy; more than that is someone else
+    own = results["settings"]["world_size"]
+    return any(
+        load is not None and load[0] > own + 0.5 and load[0] > 0.75 * cores for load in loads
+    )
+
+
+def _targets_section(derived: dict[str, Any]) -> list[str]:
+    rows = []
+    for target in derived["targets"]:
+        worst = (
+            "" if target["worst"] is None else f"{target['worst']:.2f}x ({target['worst_case']})"
+        )
+        rows.append(
+            [
+                _describe_target(target),
+                _limit_text(target),
+                worst,
+                f"{target['cases'] - target['misses']}/{target['cases']}",
+                f"**{target['verdict']}**",
+            ]
+        )
+    return [
+        "## Targets",
+        "",
+        *_table(["target", "limit", "worst case", "cases passing", "verdict"], rows),
+        "",
+    ]
+
+
+def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    out = ["## Per layer: forward+backward", ""]
+    note = results["layers"].get("torch_syncbn")
+    if note:
+        out += [f"torch.nn.SyncBatchNorm: {note}.", ""]
+    header = [
+        "shape",
+        "format",
+        "BatchNorm ms",
+        "SyncBN ms",
+        "collectives ms",
+        "SyncBN compute ms",
+        "reference ms",
+        "traffic floor ms",
+        "compute / BN",
+        "compute / floor",
+        "vs reference",
+    ]
+    has_torch = any("torch_syncbn_s" in row for row in derived["layers"])
+    if has_torch:
+        header += ["torch SyncBN ms", "vs torch SyncBN"]
+    for dtype in ("float32", "bfloat16"):
+        rows = [row for row in derived["layers"] if row["dtype"] == dtype]
+        if not rows:
+            continue
+        out += [f"### {dtype}" + (" input, float32 parameters" if dtype != "float32" else ""), ""]
+        lines = []
+        for row in rows:
+            line = [
+                "x".join(map(str, row["shape"])),
+                "channels_last" if row["memory_format"] == "channels_last" else "contiguous",
+                _ms(row["batchnorm_s"]),
+                _ms(row["syncbn_s"]),
+                _ms(row["latency_s"]),
+                _ms(row["syncbn_compute_s"]),
+                _ms(row["reference_s"]),
+                _ms(row["traffic_floor_s"]),
+                _ratio(row["compute_vs_batchnorm"], row["compute_vs_batchnorm_verdict"])
+                + f" (<= {row['compute_vs_batchnorm_limit']:g})",
+                _ratio(row["compute_vs_floor"], row["compute_vs_floor_verdict"]),
+                _ratio(row["speedup_vs_reference"], row["speedup_vs_reference_verdict"]),
+            ]
+            if has_torch:
+                line += [_ms(row.get("torch_syncbn_s")), _ratio(row.get("speedup_vs_torch_syncbn"))]
+            lines.append(line)
+        out += [*_table(header, lines), ""]
+    out += [
+        "## Per layer: forward only",
+        "",
+        *_table(
+            [
+                "case",
+                "BatchNorm ms",
+                "SyncBN ms",
+                "collective ms",
+                "SyncBN compute ms",
+                "reference ms",
+                "traffic floor ms",
+                "compute / BN",
+                "compute / floor",
+                "vs reference",
+            ],
+            [
+                [
+                    _case_label(row),
+                    _ms(row["forward"]["batchnorm_s"]),
+                    _ms(row["forward"]["syncbn_s"]),
+                    _ms(row["forward"]["latency_s"]),
+                    _ms(row["forward"]["syncbn_compute_s"]),
+                    _ms(row["forward"]["reference_s"]),
+                    _ms(row["forward"]["traffic_floor_s"]),
+                    _ratio(row["forward"]["compute_vs_batchnorm"]),
+                    _ratio(row["forward"]["compute_vs_floor"]),
+                    _ratio(row["forward"]["speedup_vs_reference"]),
+                ]
+                for row in derived["layers"]
+            ],
+        ),
+        "",
+        "## Floors and the layer-order check",
+        "",
+        "Copy bandwidth (both ranks copying at once), collective latency, and the cost of "
+        "`check_layer_order` (SyncBN forward+backward with `check_layer_order=True` minus "
+        "`False`: on CPU the check is a small host read of the all-reduced header and a "
+        "comparison; negative values are noise). Noise = interquartile range of SyncBN's "
+        "forward+backward blocks.",
+        "",
+        *_table(
+            [
+                "case",
+                "copy GB/s",
+                "all_reduce fwd+bwd us",
+                "layer-order check us",
+                "noise (IQR) us",
+            ],
+            [
+                [
+                    _case_label(row),
+                    f"{row['bandwidth_gbps']:.1f}",
+                    _us(row["latency_s"]),
+                    _us(row["layer_order_check_s"]),
+                    _us(row["noise_iqr_s"]),
+                ]
+                for row in derived["layers"]
+            ],
+        ),
+        "",
+    ]
+    return out
+
+
+def _model_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    model = results["model"]
+    row = derived["model"]
+    lines = [
+        ["BatchNorm", _ms(row["batchnorm_step_s"], 2), "", "", ""],
+    ]
+    labels = {
+        "syncbn": "SyncBatchNorm (default group)",
+        "syncbn_own_group": "SyncBatchNorm (own process group)",
+    }
+    for variant, label in labels.items():
+        if variant in row:
+            entry = row[variant]
+            lines.append(
+                [
+                    label,
+                    _ms(entry["step_s"], 2),
+                    _ms(entry["overhead_s"], 2),
+                    _ms(row["latency_floor_s"], 2),
+                    _ratio(entry["overhead_vs_floor"], entry["verdict"]),
+                ]
+            )
+    return [
+        "## Whole model: training step under DDP",
+        "",
+        f"{model['model']}, {model['bn_layers']} BatchNorm layers (channels "
+        f"{model['bn_channels']}), input {model['input']} per rank, SGD with momentum, "
+        f"DistributedDataParallel without per-step buffer broadcast ({model['ddp']}), "
+        f"{results['settings']['world_size']} ranks. SyncBN issues "
+        f"{model['syncbn_collectives_per_step']} collectives per step. "
+        "Latency floor = sum over those collectives of the measured latency of an all_reduce "
+        "of the same size (= calls x 2 x latency). 'Own process group' gives the "
+        "SyncBN layers a separate group from DDP's, so their all_reduces do not queue behind "
+        "DDP's gradient buckets.",
+        "",
+        *_table(["model", "step ms", "overhead ms", "latency floor ms", "overhead / floor"], lines),
+        "",
+    ]
+
+
+def _collectives_section(derived: dict[str, Any]) -> list[str]:
+    rows = []
+    for entry in derived["collectives"]:
+        per_size = "; ".join(
+            f"{size}: " + ", ".join(f"{c[0]}+{c[2]} / {c[1]}+{c[3]} B" for c in sorted(set(ranks)))
+            for size, ranks in entry["per_world_size"].items()
+        )
+        rows.append(
+            [
+                _case_label(entry),
+                entry["layer"],
+                str(entry["collectives_forward"]),
+                str(entry["bytes_forward"]),
+                str(entry["collectives_backward"]),
+                str(entry["bytes_backward"]),
+                per_size,
+                "yes" if entry["identical"] else "**no**",
+            ]
+        )
+    return [
+        "## Collectives per layer call",
+        "",
+        "Counted on every rank by wrapping the torch.distributed collectives; bytes = what one "
+        "rank sends into each collective. Per world size: collectives forward+backward / bytes "
+        "forward+backward, over all ranks (one entry when all ranks agree).",
+        "",
+        *_table(
+            [
+                "case",
+                "layer",
+                "fwd collectives",
+                "fwd bytes",
+                "bwd collectives",
+                "bwd bytes",
+                "world size: counts / bytes",
+                "identical",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _memory_section(derived: dict[str, Any]) -> list[str]:
+    rows = []
+    for case in derived["memory"]:
+
+        def kib(value: int | None) -> str:
+            return "" if value is None else f"{value / 1024:.0f}"
+
+        rows.append(
+            [
+                _case_label(case),
+                kib(case["input_bytes"]),
+                kib(case["batchnorm"]["saved_bytes"]),
+                kib(case["syncbn"]["saved_bytes"]),
+                kib(case["reference"]["saved_bytes"]),
+                case["saved_verdict"],
+                kib(case["batchnorm"]["peak_bytes"]),
+                kib(case["syncbn"]["peak_bytes"]),
+                kib(case["reference"]["peak_bytes"]),
+            ]
+        )
+    return [
+        "## Memory of one forward+backward",
+        "",
+        "Saved = distinct storages autograd keeps for backward "
+        "(torch.autograd.graph.saved_tensors_hooks), including the input itself. Peak = "
+        "highest live bytes allocated during forward+backward above what was live before "
+        "(torch.profiler memory events on CPU; the CUDA allocator's peak on GPU). KiB.",
+        "",
+        *_table(
+            [
+                "case",
+                "input",
+                "saved BN",
+                "saved SyncBN",
+                "saved reference",
+                "SyncBN <= BN",
+                "peak BN",
+                "peak SyncBN",
+                "peak reference",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _profile_section(results: dict[str, Any]) -> list[str]:
+    out = ["## Where SyncBatchNorm's time goes", ""]
+    if "profiles" in results:
+        profiles = results["profiles"]
+        out += [
+            f"torch.profiler (CPU self time per forward+backward call on rank 0, mean of "
+            f"{profiles['iterations']} calls; the profiler adds a few us per op, so totals "
+            "exceed the timed medians), summed by category. `BN kernels` = BatchNorm's own "
+            "native_batch_norm + native_batch_norm_backward self time for the same case.",
+            "",
+        ]
+        labels = [label for label, _ in CATEGORIES] + [OTHER]
+        rows = []
+        for case in profiles["cases"]:
+            sync = case["profiles"]["syncbn"]
+            categories = categorize(sync["ops"])
+            bn_ops = case["profiles"]["batchnorm"]["ops"]
+            bn_kernels = sum(op["self_us"] for op in bn_ops if "native_batch_norm" in op["name"])
+            rows.append(
+                [
+                    _case_label(case),
+                    f"{case['profiles']['batchnorm']['total_self_us']:.0f}",
+                    f"{bn_kernels:.0f}",
+                    f"{sync['total_self_us']:.0f}",
+                    *[f"{categories.get(label, 0.0):.0f}" for label in labels],
+                ]
+            )
+        out += [
+            *_table(
+                ["case", "BN total us", "BN kernels us", "SyncBN total us", *labels],
+                rows,
+            ),
+            "",
+            "Top SyncBN ops per case (self us per call, calls per layer call):",
+            "",
+        ]
+        for case in profiles["cases"]:
+            top = case["profiles"]["syncbn"]["ops"][:8]
+            ops = ", ".join(f"{op['name']} {op['self_us']:.0f} ({op['calls']:g})" for op in top)
+            out.append(f"- {_case_label(case)}: {ops}")
+        out.append("")
+    if "blocks" in results:
+        out += _blocks_tables(results)
+    return out
+
+
+PHASES = ("syncbn:local_moments", "syncbn:normalize", "syncbn:backward_sums", "syncbn:input_grad")
+
+
+def _blocks_tables(results: dict[str, Any]) -> list[str]:
+    cases = results["blocks"]["cases"]
+    if not cases:
+        return []
+    names = [name for name in cases[0]["times_s"] if not name.startswith("syncbn:")]
+    layers = {
+        _case_label(case): case["times_s"] for case in results.get("layers", {}).get("cases", [])
+    }
+    out = [
+        "Candidate building blocks, timed alone on the same inputs (us per call, rank-local, "
+        "both ranks running them at once): what a SyncBatchNorm composed of these ops would "
+        "cost. `sum` accumulates in float32, `sum_float64` in float64.",
+        "",
+        *_table(
+            ["case", *names],
+            [
+                [_case_label(case), *[_us(case["times_s"][name]) for name in names]]
+                for case in cases
+            ],
+        ),
+        "",
+        "SyncBatchNorm's own large-tensor steps (`syncbn._stats` functions and the eval-mode "
+        "`batch_norm` it calls), timed alone without collectives, against BatchNorm's "
+        "forward+backward and SyncBN's compute from the per-layer table. *rest* = SyncBN "
+        "compute minus these phases: small per-channel ops, packing, Python and autograd "
+        "overhead, and waiting for the other rank beyond the collective's own latency. us.",
+        "",
+    ]
+    rows = []
+    for case in cases:
+        times = case["times_s"]
+        phases = [times.get(name) for name in PHASES]
+        known = sum(p for p in phases if p is not None)
+        layer = layers.get(_case_label(case))
+        compute = bn = None
+        if layer is not None:
+            bn = layer["batchnorm.forward_backward"]
+            compute = (
+                layer["syncbn.forward_backward"]
+                - layer["all_reduce.forward"]
+                - layer["all_reduce.backward"]
+            )
+        rows.append(
+            [
+                _case_label(case),
+                *[_us(p) for p in phases],
+                _us(known),
+                _us(bn),
+                _us(compute),
+                _us(None if compute is None else compute - known),
+            ]
+        )
+    out += [
+        *_table(
+            [
+                "case",
+                "local_moments",
+                "normalize",
+                "backward_sums",
+                "input_grad",
+                "phases total",
+                "BatchNorm fwd+bwd",
+                "SyncBN compute",
+                "rest",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    return out
+
+
+def _misses_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    out = ["## Misses", ""]
+    profiles = {}
+    for case in results.get("profiles", {}).get("cases", []):
+        profiles[_case_label(case)] = case["profiles"]
+    lines = []
+    for row in derived.get("layers", []):
+        label = _case_label(row)
+        missed = []
+        if row["compute_vs_batchnorm_verdict"] == "MISS":
+            factor = miss_factor(row["compute_vs_batchnorm"], row["compute_vs_batchnorm_limit"])
+            missed.append(
+                f"compute/BN {row['compute_vs_batchnorm']:.2f}x vs <= "
+                f"{row['compute_vs_batchnorm_limit']:g}x ({factor:.2f}x over)"
+            )
+        if row["compute_vs_floor_verdict"] == "MISS":
+            factor = miss_factor(row["compute_vs_floor"], row["compute_vs_floor_limit"])
+            missed.append(
+                f"compute/floor {row['compute_vs_floor']:.2f}x vs <= "
+                f"{row['compute_vs_floor_limit']:g}x ({factor:.2f}x over)"
+            )
+        if row["speedup_vs_reference_verdict"] == "MISS":
+            factor = miss_factor(
+                row["speedup_vs_reference"], TARGETS["speedup_vs_reference"], at_least=True
+            )
+            missed.append(
+                f"speed-up over reference {row['speedup_vs_reference']:.2f}x vs >= "
+                f"{TARGETS['speedup_vs_reference']:g}x ({factor:.2f}x short)"
+            )
+        if not missed:
+            continue
+        evidence = ""
+        if label in profiles:
+            categories = categorize(profiles[label]["syncbn"]["ops"])
+            top = sorted(categories.items(), key=lambda item: item[1], reverse=True)[:3]
+            evidence = "; profile: " + ", ".join(f"{name} {us:.0f} us" for name, us in top)
+        lines.append(f"- {label}: " + "; ".join(missed) + evidence)
+    model = derived.get("model", {}).get("syncbn")
+    if model and model["verdict"] == "MISS":
+        lines.append(
+            f"- whole model: SyncBN overhead {model['overhead_vs_floor']:.2f}x the latency floor "
+            f"vs <= {TARGETS['model_overhead_vs_latency_floor']:g}x "
+            f"({miss_factor(model['overhead_vs_floor'], 1.5):.2f}x over)"
+        )
+    out += lines or ["None: every target is met in this run."]
+    out.append("")
+    return out

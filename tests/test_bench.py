@@ -1,0 +1,305 @@
+"""``syncbn bench`` (syncbn._bench) and the pure helpers of the benchmark suite (benchmarks/)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import WorkerPool
+
+import syncbn
+from syncbn import _bench
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` by path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"syncbn_benchmarks_{name}", BENCHMARKS / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    _bench.add_arguments(parser)
+    return _bench.run(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------- syncbn bench
+
+
+def test_bench_writes_sane_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bench.json"
+    shapes = [(3, 4, 5, 5), (6, 7)]
+    code = _run_bench(
+        [
+            "--shapes",
+            "3x4x5x5",
+            "6x7",
+            "--repeats",
+            "2",
+            "--min-time",
+            "0.0005",
+            "--json",
+            str(path),
+        ]
+    )
+    assert code == 0
+    assert "SyncBN" in capsys.readouterr().out
+    record = json.loads(path.read_text())
+    assert record["world_size"] == 2 and record["backend"] == "gloo"
+    assert record["machine"]["torch"] == torch.__version__
+    assert [tuple(row["shape"]) for row in record["results"]] == shapes
+    for row in record["results"]:
+        for key in ("batchnorm_s", "syncbn_s", "all_reduce_forward_s", "all_reduce_backward_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, key
+        latency = row["all_reduce_forward_s"] + row["all_reduce_backward_s"]
+        assert row["syncbn_compute_s"] == pytest.approx(row["syncbn_s"] - latency)
+        assert row["compute_vs_batchnorm"] == pytest.approx(
+            row["syncbn_compute_s"] / row["batchnorm_s"]
+        )
+        # one collective each way, O(C) float64 payload, the same on every rank
+        assert (row["collectives_forward"], row["collectives_backward"]) == (1, 1)
+        channels = row["shape"][1]
+        for phase in ("forward", "backward"):
+            per_rank = row[f"bytes_{phase}_per_rank"]
+            assert len(per_rank) == 2 and len(set(per_rank)) == 1
+            assert per_rank[0] == row[f"bytes_{phase}"]
+            assert per_rank[0] % 8 == 0 and 2 * channels * 8 < per_rank[0] <= (2 * channels + 8) * 8
+
+
+@pytest.mark.parametrize("text", ["2", "2x0x3", "axb", ""])
+def test_bench_rejects_bad_shapes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a shape like"):
+        _bench.parse_shape(text)
+
+
+def test_bench_rejects_world_size_of_one() -> None:
+    with pytest.raises(ValueError, match="--world-size must be at least 2"):
+        _run_bench(["--world-size", "1"])
+
+
+def test_measure_alone_agrees_with_call_counts() -> None:
+    calls = {"a": 0, "b": 0}
+
+    def call(name: str) -> Any:
+        def fn() -> None:
+            calls[name] += 1
+
+        return fn
+
+    timings = _bench.measure(
+        {"a": call("a"), "b": call("b")}, repeats=3, min_block_time=1e-4, warmup=2
+    )
+    for name, timing in timings.items():
+        assert timing.median > 0 and timing.iqr >= 0 and timing.blocks == 3
+        # warm-up + calibration blocks (doubling from 1) + the timed blocks
+        assert calls[name] >= 2 + 3 * timing.calls_per_block
+    with pytest.raises(ValueError, match="repeats must be positive"):
+        _bench.measure({"a": call("a")}, repeats=0)
+
+
+def test_count_collectives_records_and_restores() -> None:
+    original = dist.all_reduce
+    with _bench.count_collectives() as log:
+        assert dist.all_reduce is not original
+        with pytest.raises((RuntimeError, ValueError)):  # no process group in this process
+            dist.all_reduce(torch.zeros(3, dtype=torch.float64))
+        with pytest.raises((RuntimeError, ValueError)):
+            dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.zeros(2))
+    assert dist.all_reduce is original
+    assert log == [_bench.Collective("all_reduce", 24), _bench.Collective("all_gather", 8)]
+
+
+# --------------------------------------------------------------------------- benchmarks/
+
+
+def _reference_matches_syncbn(rank: int, world_size: int, path: str) -> float:
+    spec = importlib.util.spec_from_file_location("syncbn_benchmarks_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(rank)
+    x = (torch.randn(2 + rank, 3, 4, 4, dtype=torch.float64) * 2 + 1).requires_grad_()
+    dy = torch.randn_like(x)
+    reference = module.ReferenceSyncBatchNorm(3).double()
+    ours = syncbn.SyncBatchNorm(3).double()
+    with torch.no_grad():
+        for layer in (reference, ours):
+            layer.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+            layer.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    results = []
+    for layer in (reference, ours):
+        y = layer(x)
+        results.append((y, *torch.autograd.grad(y, [x, layer.weight, layer.bias], dy)))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(reference.running_var, ours.running_var)
+    return float(results[0][0].abs().max())
+
+
+def test_reference_syncbn_equals_syncbn(pool2: WorkerPool) -> None:
+    """The benchmark's baseline computes the same thing as syncbn (uneven batches)."""
+    outputs = pool2.run(_reference_matches_syncbn, str(BENCHMARKS / "reference_syncbn.py"))
+    assert all(value > 0 for value in outputs)
+
+
+def test_floors_and_verdicts() -> None:
+    report = _load("report")
+    floors = report.floors(copy_s=2.0, nbytes=10)
+    assert floors["bandwidth_gbps"] == pytest.approx(10e-9)
+    # 3 tensor sizes forward, 5 backward, at 10 bytes/s
+    assert (floors["forward_s"], floors["backward_s"]) == (pytest.approx(3.0), pytest.approx(5.0))
+    assert floors["forward_backward_s"] == pytest.approx(8.0)
+    assert report.verdict(0.5, 0.6) == "PASS" and report.verdict(0.7, 0.6) == "MISS"
+    assert report.verdict(2.0, 1.5, at_least=True) == "PASS"
+    assert report.verdict(1.0, 1.5, at_least=True) == "MISS"
+    assert report.verdict(None, 1.0) == "n/a"
+    assert report.miss_factor(3.0, 1.5) == pytest.approx(2.0)
+    assert report.miss_factor(1.0, 1.5, at_least=True) == pytest.approx(1.5)
+
+
+def _layer_case(dtype: str, memory_format: str, syncbn_s: float) -> dict[str, Any]:
+    times = {
+        "batchnorm.forward": 1.0,
+        "batchnorm.forward_backward": 3.0,
+        "syncbn.forward": 0.9,
+        "syncbn.forward_backward": syncbn_s,
+        "syncbn_unchecked.forward_backward": syncbn_s - 0.01,
+        "reference.forward": 2.0,
+        "reference.forward_backward": 6.0,
+        "copy": 0.1,
+        "all_reduce.forward": 0.2,
+        "all_reduce.backward": 0.3,
+    }
+    return {
+        "shape": [2, 4, 3, 3],
+        "dtype": dtype,
+        "memory_format": memory_format,
+        "bytes": 288,
+        "times_s": times,
+    }
+
+
+def test_derive_layer_ratios_and_targets() -> None:
+    report = _load("report")
+    row = report.derive_layer(_layer_case("float32", "contiguous", syncbn_s=2.0))
+    assert row["syncbn_compute_s"] == pytest.approx(1.5)  # 2.0 - 0.2 - 0.3
+    assert row["compute_vs_batchnorm"] == pytest.approx(0.5)
+    assert (
+        row["compute_vs_batchnorm_limit"] == 0.6 and row["compute_vs_batchnorm_verdict"] == "PASS"
+    )
+    assert row["traffic_floor_s"] == pytest.approx(0.4)  # 8 sizes at 2 sizes per 0.1 s
+    assert (
+        row["compute_vs_floor"] == pytest.approx(3.75) and row["compute_vs_floor_verdict"] == "MISS"
+    )
+    assert row["speedup_vs_reference"] == pytest.approx(3.0)
+    assert row["layer_order_check_s"] == pytest.approx(0.01)
+    slow_bf16 = report.derive_layer(_layer_case("bfloat16", "channels_last", syncbn_s=3.8))
+    assert slow_bf16["compute_vs_batchnorm_limit"] == 1.0
+    assert slow_bf16["compute_vs_batchnorm_verdict"] == "MISS"
+    assert slow_bf16["compute_vs_floor_verdict"] == "n/a"  # the floor target is float32 only
+
+
+def _collective_rows(backward_bytes: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "shape": [2, 4],
+            "dtype": "float32",
+            "memory_format": "contiguous",
+            "layer": "syncbn",
+            "forward": [["all_reduce", 104]],
+            "backward": [["all_reduce", backward_bytes]],
+        }
+    ]
+
+
+def test_collective_summary_flags_bytes_that_change() -> None:
+    report = _load("report")
+    same = report.collective_summary(
+        {"2": [_collective_rows(96)] * 2, "3": [_collective_rows(96)] * 3}
+    )
+    assert len(same) == 1 and same[0]["identical"]
+    assert (same[0]["collectives_forward"], same[0]["bytes_backward"]) == (1, 96)
+    grown = report.collective_summary(
+        {"2": [_collective_rows(96)] * 2, "3": [_collective_rows(96)] * 2 + [_collective_rows(104)]}
+    )
+    assert not grown[0]["identical"]
+
+
+def test_derive_and_render_whole_report() -> None:
+    report = _load("report")
+    results = {
+        "command": "python benchmarks/run.py",
+        "wall_s": 1.0,
+        "machine": _bench.machine_info(),
+        "load_average_end": [0.1, 0.1, 0.1],
+        "settings": {
+            "world_size": 2,
+            "backend": "gloo",
+            "device": "cpu",
+            "repeats": 3,
+            "min_block_time": 0.01,
+            "warmup": 1,
+        },
+        "layers": {
+            "cases": [
+                _layer_case("float32", "contiguous", 2.0),
+                _layer_case("bfloat16", "contiguous", 4.0),
+            ],
+            "torch_syncbn": "skipped on cpu",
+        },
+        "model": {
+            "model": "m",
+            "input": [8, 3, 32, 32],
+            "bn_layers": 1,
+            "bn_channels": [4],
+            "ddp": {},
+            "syncbn_collectives_per_step": 2,
+            "syncbn_collective_bytes": [104, 96],
+            "times_s": {
+                "batchnorm": 1.0,
+                "syncbn": 1.5,
+                "all_reduce.104": 0.2,
+                "all_reduce.96": 0.2,
+            },
+        },
+        "collectives": {"2": [_collective_rows(96)] * 2},
+    }
+    derived = report.derive(results)
+    assert derived["model"]["latency_floor_s"] == pytest.approx(0.4)
+    assert derived["model"]["syncbn"]["overhead_vs_floor"] == pytest.approx(1.25)
+    verdicts = {(t["target"], t["limit"]): t["verdict"] for t in derived["targets"]}
+    assert verdicts[("compute_vs_batchnorm", 1.0)] == "MISS"  # bfloat16: 3.5 / 3.0
+    assert verdicts[("compute_vs_batchnorm", 0.6)] == "PASS"
+    assert verdicts[("model_overhead_vs_latency_floor", 1.5)] == "PASS"
+    text = report.render_markdown(results, derived)
+    for heading in ("## Targets", "## Per layer", "## Whole model", "## Collectives", "## Misses"):
+        assert heading in text
+    assert "bfloat16" in text and "**MISS**" in text
+
+
+def test_suite_cases_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    suite = _load("suite")
+    cases = suite.cases()
+    # 6 shapes x 2 dtypes, plus channels_last for the five 4-D/5-D shapes
+    assert len(cases) == 22
+    assert {case["memory_format"] for case in cases if len(case["shape"]) == 2} == {"contiguous"}
+    model = _load("resnet").SmallResNet()
+    batchnorms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(batchnorms) >= 10
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
