@@ -22,6 +22,7 @@ from typing import Any
 import report
 import suite
 
+import syncbn
 from syncbn._bench import machine_info, run_on_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/run.py " + " ".join(argv or sys.argv[1:]),
         "machine": machine_info(),
         "git": _git_revision(),
+        "syncbn_path": str(Path(syncbn.__file__).resolve().parent),
         "settings": {k: v for k, v in settings.items() if not k.endswith("cases")},
     }
     _log(f"machine: {results['machine']}")
