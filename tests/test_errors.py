@@ -9,7 +9,7 @@ from _harness import WorkerPool
 
 import syncbn
 from syncbn import distributed
-from syncbn._autograd import LayerInfo, sync_batch_norm_train
+from syncbn._autograd import LayerInfo, ProcessGroupReducer, sync_batch_norm_train
 
 
 def _outcome(fn, *args) -> tuple[str, str]:  # type: ignore[no-untyped-def]
@@ -87,7 +87,8 @@ def _gradcheck_alone(rank: int, world_size: int) -> bool:
     layer = LayerInfo("gradcheck", 2)
 
     def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return sync_batch_norm_train(x, weight, bias, 1e-5, groups[rank], 1, layer)[0]
+        reducer = ProcessGroupReducer(groups[rank], 1)
+        return sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)[0]
 
     return torch.autograd.gradcheck(fn, (x, weight, bias))
 

@@ -6,7 +6,7 @@ One collective in forward, one in backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,14 @@ from torch.autograd.function import once_differentiable
 
 from syncbn import _stats, distributed
 
-__all__ = ["LayerInfo", "is_recomputing", "report_invalid_input", "sync_batch_norm_train"]
+__all__ = [
+    "LayerInfo",
+    "ProcessGroupReducer",
+    "Reducer",
+    "is_recomputing",
+    "report_invalid_input",
+    "sync_batch_norm_train",
+]
 
 _SAME_CALLS_RULE = (
     "every rank must call every SyncBatchNorm layer the same number of times, in the same "
@@ -33,6 +40,41 @@ def is_recomputing() -> bool:
     """
     current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     return current_graph_task_id is not None and current_graph_task_id() != -1
+
+
+class Reducer(Protocol):
+    """Sums a float64 buffer over all participants of one synchronized layer call.
+
+    :class:`ProcessGroupReducer` does it with one ``all_reduce`` over a process group;
+    :mod:`syncbn.data_parallel` does it between the replicas of one process.
+    """
+
+    @property
+    def world_size(self) -> int:
+        """Number of participants."""
+        ...
+
+    @property
+    def participants(self) -> str:
+        """What the participants are called in messages (``"ranks"``, ``"replicas"``)."""
+        ...
+
+    def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        """Return the elementwise sum of every participant's ``buffer`` (``phase``:
+        ``"forward"`` or ``"backward"``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProcessGroupReducer:
+    """The :class:`Reducer` of a process group: one in-place ``all_reduce``."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    participants: str = "ranks"
+
+    def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        return distributed.all_reduce_sum_(buffer, self.group)
 
 
 @dataclass(frozen=True)
@@ -102,24 +144,23 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         eps: float,
-        group: dist.ProcessGroup | None,
-        world_size: int,
+        reducer: Reducer,
         layer: LayerInfo,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         local_count = input.numel() // input.shape[1]
         local_mean, local_var = _stats.local_moments(input)
         buffer = _stats.pack_forward(local_count, local_mean, local_var, layer.fingerprint)
-        distributed.all_reduce_sum_(buffer, group)
+        buffer = reducer.all_reduce(buffer, "forward")
 
         # One small host read serves both checks; on CPU it is free, on accelerators it waits
         # for the collective that the normalization below needs anyway.
         header, global_count = _stats.read_header(buffer, with_count=True)
-        _check_header(header, world_size, layer, "forward")
+        _check_header(header, reducer.world_size, layer, "forward")
         if global_count <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got input size "
-                f"{input.size()} on this rank and {global_count} value(s) per channel across "
-                f"all {world_size} ranks"
+                f"{input.size()} here and {global_count} value(s) per channel across all "
+                f"{reducer.world_size} {reducer.participants}"
             )
 
         moments = _stats.unpack_forward(buffer)
@@ -139,8 +180,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.count = moments.n
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.eps = eps
-        ctx.group = group
-        ctx.world_size = world_size
+        ctx.reducer = reducer
         ctx.layer = layer
         unbiased_var = moments.var * (moments.n / (moments.n - 1))
         ctx.mark_non_differentiable(moments.mean, unbiased_var)
@@ -158,23 +198,24 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_input: torch.Tensor | None = None
         if need_input:
             buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, ctx.layer.fingerprint)
-            distributed.all_reduce_sum_(buffer, ctx.group)
+            buffer = ctx.reducer.all_reduce(buffer, "backward")
             if ctx.layer.check_layer_order:
                 header, _count = _stats.read_header(buffer)
-                _check_header(header, ctx.world_size, ctx.layer, "backward")
+                _check_header(header, ctx.reducer.world_size, ctx.layer, "backward")
             global_sum_dy, global_sum_dy_xhat = _stats.unpack_backward(buffer)
             grad_input = _stats.input_grad(
                 grad_output,
                 input,
                 mean,
-                torch.rsqrt(var + ctx.eps),
+                var,
+                ctx.eps,
                 weight,
                 global_sum_dy / ctx.count,
                 global_sum_dy_xhat / ctx.count,
             )
         grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def sync_batch_norm_train(
@@ -182,17 +223,16 @@ def sync_batch_norm_train(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
-    group: dist.ProcessGroup | None,
-    world_size: int,
+    reducer: Reducer,
     layer: LayerInfo,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalize ``input`` with statistics of the global batch over ``group``.
+    """Normalize ``input`` with statistics of the global batch of ``reducer``'s participants.
 
     Returns:
         ``(output, mean, unbiased_var)``: the normalized output (differentiable) and the
         global float64 mean and unbiased variance, for the running statistics.
     """
     output, mean, unbiased_var = _SyncBatchNormFunction.apply(
-        input, weight, bias, eps, group, world_size, layer
+        input, weight, bias, eps, reducer, layer
     )
     return output, mean, unbiased_var

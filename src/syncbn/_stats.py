@@ -39,6 +39,7 @@ import zlib
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "GlobalMoments",
@@ -118,8 +119,11 @@ def local_moments(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The data are shifted by their first sample in each channel before summing, so
     that float32 accumulation does not cancel for inputs whose mean is large
-    compared with their spread. An empty batch gives zeros (it contributes nothing
-    once weighted by its count of 0).
+    compared with their spread. The sum and the sum of squares of the shifted data
+    come from one fused pass of ``native_batch_norm_backward`` (eval mode, with
+    the shifted data as both gradient and input, mean 0, variance 1 and eps 0).
+    An empty batch gives zeros (it contributes nothing once weighted by its count
+    of 0).
 
     Args:
         input: tensor of shape ``(N, C, *)``.
@@ -132,14 +136,15 @@ def local_moments(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
         return zeros, zeros.clone()
     count = input.numel() // num_channels
-    dims = reduction_dims(input.dim())
     first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
     shift = input.detach()[first_sample].to(stat_dtype(input.dtype))
     centered = input.detach() - _channel_view(shift, input.dim())
-    shifted_sum = centered.sum(dims, dtype=_PACK_DTYPE)
-    shifted_square_sum = centered.square().sum(dims, dtype=_PACK_DTYPE)
-    shifted_mean = shifted_sum / count
-    var = (shifted_square_sum / count - shifted_mean.square()).clamp_(min=0)
+    zeros = torch.zeros_like(shift)
+    _, square_sum, total = torch.ops.aten.native_batch_norm_backward(
+        centered, centered, None, zeros, zeros + 1, None, None, False, 0.0, [False, True, True]
+    )
+    shifted_mean = total.to(_PACK_DTYPE) / count
+    var = (square_sum.to(_PACK_DTYPE) / count - shifted_mean.square()).clamp_(min=0)
     return shift.to(_PACK_DTYPE) + shifted_mean, var
 
 
@@ -232,7 +237,8 @@ def input_grad(
     grad_output: torch.Tensor,
     input: torch.Tensor,
     mean: torch.Tensor,
-    invstd: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
     weight: torch.Tensor | None,
     mean_dy: torch.Tensor,
     mean_dy_xhat: torch.Tensor,
@@ -240,16 +246,25 @@ def input_grad(
     r"""Input gradient of batch normalization given the *global* reductions.
 
     .. math::
-        dx = w \cdot \sigma^{-1} \left(dy - \overline{dy} - \hat{x}\,\overline{dy\,\hat{x}}\right)
+        dx = \gamma \sigma^{-1} \left(dy - \overline{dy} - \hat{x}\,\overline{dy\,\hat{x}}\right),
+        \qquad \hat{x} = (x - \mu)\,\sigma^{-1}, \quad \sigma = \sqrt{var + \epsilon}
 
-    written as ``dx = a * dy + b * x + c`` with per-channel ``a, b, c`` so that the
-    elementwise work is two fused multiply-adds.
+    computed in two fused passes: an eval-mode ``batch_norm`` of ``x`` with weight
+    :math:`-\gamma\sigma^{-1}\overline{dy\,\hat{x}}` and bias
+    :math:`-\gamma\sigma^{-1}\overline{dy}` gives the last two terms, and one
+    ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
     """
-    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-    x_coef = -scale * invstd * mean_dy_xhat.to(invstd.dtype)
-    offset = -scale * mean_dy.to(invstd.dtype) - x_coef * mean
-    ndim = input.dim()
-    grad_input = torch.addcmul(
-        _channel_view(offset, ndim), input, _channel_view(x_coef, ndim)
-    ).addcmul_(grad_output, _channel_view(scale, ndim))
-    return grad_input.to(input.dtype)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight.to(scale.dtype)
+    correction = F.batch_norm(
+        input,
+        mean,
+        var,
+        -scale * mean_dy_xhat.to(scale.dtype),
+        -scale * mean_dy.to(scale.dtype),
+        False,
+        0.0,
+        eps,
+    )
+    return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))

@@ -35,15 +35,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _stats
+from syncbn._autograd import LayerInfo, sync_batch_norm_train
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -190,82 +189,21 @@ class _ReplicaRendezvous:
         return result
 
 
-class _ReplicaBatchNormFunction(torch.autograd.Function):
-    """Batch normalization with statistics and input gradients summed over replica threads."""
+@dataclass(frozen=True)
+class _ReplicaReducer:
+    """The :class:`~syncbn._autograd.Reducer` of one replica: an exchange through the rendezvous."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        input: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        eps: float,
-        rendezvous: _ReplicaRendezvous,
-        copy_id: int,
-        call_index: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        local_count = input.numel() // input.shape[1]
-        local_mean, local_var = _stats.local_moments(input)
-        buffer = _stats.pack_forward(local_count, local_mean, local_var, 0)
-        total = rendezvous.exchange(copy_id, "forward", call_index, buffer)
-        _header, global_count = _stats.read_header(total, with_count=True)
-        if global_count <= 1:
-            raise ValueError(
-                "Expected more than 1 value per channel when training, got input size "
-                f"{input.size()} on this replica and {global_count} value(s) per channel across "
-                f"all {rendezvous.num_copies} replicas"
-            )
+    rendezvous: _ReplicaRendezvous
+    copy_id: int
+    call_index: int
+    participants: str = "replicas"
 
-        moments = _stats.unpack_forward(total)
-        dtype = _stats.stat_dtype(input.dtype)
-        mean, var = moments.mean.to(dtype), moments.var.to(dtype)
-        output = F.batch_norm(
-            input,
-            mean,
-            var,
-            None if weight is None else weight.to(dtype),
-            None if bias is None else bias.to(dtype),
-            False,
-            0.0,
-            eps,
-        )
-        ctx.save_for_backward(input, weight, mean, var)
-        ctx.count = moments.n
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.eps = eps
-        ctx.rendezvous = rendezvous
-        ctx.copy_id = copy_id
-        ctx.call_index = call_index
-        unbiased_var = moments.var * (moments.n / (moments.n - 1))
-        ctx.mark_non_differentiable(moments.mean, unbiased_var)
-        return output, moments.mean, unbiased_var
+    @property
+    def world_size(self) -> int:
+        return self.rendezvous.num_copies
 
-    @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        input, weight, mean, var = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
-
-        grad_input: torch.Tensor | None = None
-        if need_input:
-            buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, 0)
-            total = ctx.rendezvous.exchange(ctx.copy_id, "backward", ctx.call_index, buffer)
-            global_sum_dy, global_sum_dy_xhat = _stats.unpack_backward(total)
-            grad_input = _stats.input_grad(
-                grad_output,
-                input,
-                mean,
-                torch.rsqrt(var + ctx.eps),
-                weight,
-                global_sum_dy / ctx.count,
-                global_sum_dy_xhat / ctx.count,
-            )
-        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+    def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        return self.rendezvous.exchange(self.copy_id, phase, self.call_index, buffer)
 
 
 class _SynchronizedBatchNorm(_BatchNorm):
@@ -338,14 +276,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if track and self.momentum is None:
             factor = 1.0 / float(self.num_batches_tracked + 1)  # type: ignore[operator]
         try:
-            output, mean, unbiased_var = _ReplicaBatchNormFunction.apply(
-                input,
-                self.weight,
-                self.bias,
-                self.eps,
-                rendezvous,
-                self._replica_copy_id,
-                self._replica_calls,
+            reducer = _ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
+            layer = LayerInfo(type(self).__name__, self.num_features, self._replica_calls, False)
+            output, mean, unbiased_var = sync_batch_norm_train(
+                input, self.weight, self.bias, self.eps, reducer, layer
             )
         except Exception as error:
             rendezvous.abort(self._replica_copy_id, error)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from syncbn import distributed
 from syncbn._autograd import (
     LayerInfo,
+    ProcessGroupReducer,
     is_recomputing,
     report_invalid_input,
     sync_batch_norm_train,
@@ -91,9 +92,8 @@ def _sync_batch_norm(
         layer = LayerInfo("", input.shape[1])
 
     distributed.check_device_backend(input.device, process_group)
-    output, mean, unbiased_var = sync_batch_norm_train(
-        input, weight, bias, eps, process_group, world_size, layer
-    )
+    reducer = ProcessGroupReducer(process_group, world_size)
+    output, mean, unbiased_var = sync_batch_norm_train(input, weight, bias, eps, reducer, layer)
     with torch.no_grad():
         if running_mean is not None:
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
