@@ -1,0 +1,471 @@
+"""``syncbn demo``: see SyncBatchNorm match big-batch training where plain BatchNorm does not.
+
+The demo trains one small CNN on scikit-learn's bundled 8x8 digits three ways from
+one seed: (a) plain BatchNorm under DistributedDataParallel on ``--nproc`` local
+ranks (each normalizes with its own ``--batch-per-proc`` samples), (b) the same model
+after :func:`syncbn.convert_sync_batchnorm` under DDP, and (c) plain BatchNorm in one
+process on the whole global batch. (b) follows (c) to rounding error; (a) does not.
+It prints a table, and writes ``curves.png`` and ``results.json`` to ``--out``.
+
+The ranks are started by ``torch.multiprocessing`` (spawn) and meet through a
+``file://`` rendezvous in a temporary directory. If a rank fails, or on Ctrl-C, every
+rank is stopped before the command returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["RUNS", "DemoConfig", "DemoData", "DemoError", "add_arguments", "run", "run_demo"]
+
+#: Keys of the three runs, in the order they are trained.
+RUNS = ("plain_ddp", "syncbn_ddp", "single_process")
+
+DEFAULT_OUT = "syncbn-demo"
+PLOT_FILE = "curves.png"
+RESULTS_FILE = "results.json"
+# files in the temporary work directory shared with the ranks
+DATA_FILE = "data.npz"
+ERROR_FILE = "error-rank{rank}.json"
+TEST_FRACTION = 0.2
+EXIT_INTERRUPTED = 130
+_DEMO_PACKAGES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+
+class DemoError(RuntimeError):
+    """A rank failed or the demo was interrupted; every rank has been stopped."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Settings of one demo, shared by every rank.
+
+    ``fail_rank`` and ``fail_step`` are a testing hook, not exposed on the command
+    line: when ``fail_rank`` is set, that rank raises at step ``fail_step`` of run (a).
+    """
+
+    nproc: int = 2
+    batch_per_proc: int = 2
+    steps: int = 300
+    seed: int = 0
+    lr: float = 0.05
+    device: str = "cpu"
+    dtype: str = "float64"
+    evaluations: int = 20
+    fail_rank: int | None = None
+    fail_step: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.nproc * self.batch_per_proc
+
+    @property
+    def log_every(self) -> int:
+        """Steps between two evaluations of the curves."""
+        return max(1, self.steps // self.evaluations)
+
+    def label(self, run: str) -> str:
+        """The run's name in the table and the plot."""
+        n, b = self.nproc, self.batch_per_proc
+        return {
+            "plain_ddp": f"(a) BatchNorm, DDP {n} ranks x {b}",
+            "syncbn_ddp": f"(b) syncbn.SyncBatchNorm, DDP {n} ranks x {b}",
+            "single_process": f"(c) BatchNorm, 1 process x {n * b}",
+        }[run]
+
+
+class DemoData(NamedTuple):
+    """Images of shape ``(n, 1, 8, 8)`` scaled to [0, 1] and labels 0-9, as numpy arrays."""
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``syncbn demo`` to ``parser``."""
+    defaults = DemoConfig()
+    parser.description = (
+        "Train a small CNN with BatchNorm on scikit-learn's digits three ways from one seed: "
+        "(a) plain BatchNorm under DDP on --nproc local processes (per-process statistics), "
+        "(b) syncbn.SyncBatchNorm under DDP, (c) plain BatchNorm in one process on the global "
+        "batch. SyncBatchNorm (b) matches the big-batch run (c); plain BatchNorm (a) does not. "
+        f"Prints a table and writes {PLOT_FILE} and {RESULTS_FILE} to --out."
+    )
+    parser.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=defaults.nproc,
+        help="number of local processes (ranks) for the DDP runs (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-per-proc",
+        type=_positive_int,
+        default=defaults.batch_per_proc,
+        metavar="B",
+        help="samples per process and step; the global batch is nproc*B (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=defaults.steps,
+        help="optimizer steps of each run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=defaults.seed,
+        help="seed of the data split, the weights and the batch order (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=defaults.lr,
+        help="initial SGD learning rate; momentum 0.9, cosine decay to 0 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"output folder for {PLOT_FILE} and {RESULTS_FILE} (default: ./%(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=defaults.device,
+        help="cpu with the gloo backend, or cuda (one GPU per process) with nccl "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default=defaults.dtype,
+        help="dtype of the model and data; float64 shows the (b)/(c) match to ~1e-12 "
+        "(default: %(default)s)",
+    )
+
+
+def _usage_error(message: str) -> argparse.ArgumentError:
+    return argparse.ArgumentError(None, message)
+
+
+def _check_environment(device: str, nproc: int) -> None:
+    missing = [
+        pip for module, pip in _DEMO_PACKAGES.items() if not importlib.util.find_spec(module)
+    ]
+    if missing:
+        raise DemoError(
+            f"syncbn demo needs {', '.join(missing)}; install the demo extra: "
+            "pip install 'syncbn[demo]'"
+        )
+    if device == "cuda":
+        import torch
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            raise _usage_error(
+                "argument --device: cuda requested but CUDA is not available "
+                f"(torch {torch.__version__}, built with CUDA: {torch.version.cuda or 'no'}); "
+                "use --device cpu"
+            )
+        if not dist.is_nccl_available():
+            raise _usage_error("argument --device: cuda needs the nccl backend, not available")
+        if torch.cuda.device_count() < nproc:
+            raise _usage_error(
+                f"argument --nproc: --device cuda uses one GPU per process, but --nproc is "
+                f"{nproc} and only {torch.cuda.device_count()} GPU(s) are visible"
+            )
+
+
+def _prepare_out(out: str) -> str:
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise _usage_error(f"argument --out: '{out}' exists and is not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise _usage_error(f"argument --out: cannot create '{out}': {error}") from None
+    if not os.access(out, os.W_OK):
+        raise _usage_error(f"argument --out: '{out}' is not writable")
+    return out
+
+
+def load_data(seed: int) -> DemoData:
+    """Digits 8x8 images (``sklearn.datasets.load_digits``) split into train and test sets.
+
+    Returns:
+        A :class:`DemoData` of numpy arrays, the test set being a
+        stratified fifth of the 1797 images.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype("float64")[:, None, :, :]
+    train_x, test_x, train_y, test_y = train_test_split(
+        images, digits.target, test_size=TEST_FRACTION, random_state=seed, stratify=digits.target
+    )
+    return DemoData(train_x, train_y.astype("int64"), test_x, test_y.astype("int64"))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while the ranks run (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(processes: Sequence[Any]) -> int:
+    """Terminate, then kill, every process still alive; return how many were stopped."""
+    alive = [process for process in processes if process.is_alive()]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        process.join(timeout=5.0)
+    for process in alive:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5.0)
+    return len(alive)
+
+
+def _first_failure(workdir: str, nproc: int) -> dict[str, Any] | None:
+    """The earliest error a rank wrote, if any: the cause, not the peers' consequences."""
+    failures = []
+    for rank in range(nproc):
+        path = os.path.join(workdir, ERROR_FILE.format(rank=rank))
+        if os.path.exists(path):
+            with open(path) as file:
+                failures.append(json.load(file))
+    return min(failures, key=lambda failure: failure["time"]) if failures else None
+
+
+def _launch(
+    config: DemoConfig, data: DemoData, workdir: str, on_start: Callable[[list[int]], None] | None
+) -> None:
+    """Run :func:`syncbn._demo_train.rank_main` on ``config.nproc`` spawned ranks.
+
+    Returns when every rank has exited successfully. Otherwise (a rank failed, Ctrl-C,
+    SIGTERM) every rank process still alive is terminated, then killed if needed,
+    before :class:`DemoError` is raised.
+    """
+    import multiprocessing
+
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    from syncbn._demo_train import rank_main
+
+    np.savez(os.path.join(workdir, DATA_FILE), **data._asdict())
+    earlier = set(multiprocessing.active_children())
+    processes: list[Any] = []
+    error_files: list[str] = []
+    try:
+        try:
+            context = mp.start_processes(
+                rank_main,
+                args=(config, workdir),
+                nprocs=config.nproc,
+                join=False,
+                start_method="spawn",
+            )
+        finally:
+            # also the ranks already started if start_processes itself is interrupted
+            processes = [p for p in multiprocessing.active_children() if p not in earlier]
+        error_files = list(context.error_files)
+        if on_start is not None:
+            on_start(context.pids())
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        stopped = _stop(processes)
+        raise DemoError(
+            f"interrupted; stopped {stopped} running rank processes", EXIT_INTERRUPTED
+        ) from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        _stop(processes)
+        failure = _first_failure(workdir, config.nproc)
+        if failure is None:
+            raise DemoError(f"{error}; stopped every rank") from None
+        cause = failure["traceback"].strip().splitlines()[-1]
+        raise DemoError(
+            f"rank {failure['rank']} failed ({cause}); stopped every rank. "
+            f"Traceback of rank {failure['rank']}:\n{failure['traceback']}"
+        ) from None
+    finally:
+        _stop(processes)
+        for path in error_files:  # torch's per-rank error files, written on failure
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def run_demo(
+    config: DemoConfig,
+    out: str,
+    on_start: Callable[[list[int]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the demo: train the three runs, then write the plot and the JSON to ``out``.
+
+    Args:
+        config: the settings.
+        out: output folder, created if needed.
+        on_start: called with the rank processes' pids once they are started (a
+            testing hook).
+
+    Returns:
+        The results, as written to ``results.json``.
+
+    Raises:
+        argparse.ArgumentError: for settings that cannot work (e.g. a global batch
+            larger than the training set), before any process starts.
+        DemoError: if a rank failed or the demo was interrupted; every rank process
+            has been stopped.
+    """
+    from syncbn._demo_plot import save_plot
+
+    _check_environment(config.device, config.nproc)
+    out = _prepare_out(out)
+    data = load_data(config.seed)
+    if config.global_batch > len(data.train_y):
+        raise _usage_error(
+            f"argument --batch-per-proc: the global batch --nproc x --batch-per-proc = "
+            f"{config.nproc} x {config.batch_per_proc} = {config.global_batch} is larger than "
+            f"the {len(data.train_y)} training images"
+        )
+    with tempfile.TemporaryDirectory(prefix="syncbn-demo-") as workdir:
+        with _sigterm_as_interrupt():
+            _launch(config, data, workdir, on_start)
+        results_path = os.path.join(workdir, RESULTS_FILE)
+        if not os.path.exists(results_path):
+            raise DemoError("rank 0 exited without writing its results (was it interrupted?)")
+        shutil.copyfile(results_path, os.path.join(out, RESULTS_FILE))
+    with open(os.path.join(out, RESULTS_FILE)) as file:
+        results: dict[str, Any] = json.load(file)
+    save_plot(results, os.path.join(out, PLOT_FILE))
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The summary table of a demo's results, as printed by ``syncbn demo``."""
+    runs = results["runs"]
+    header = ("run", "train loss", "test acc", "train time", "max |diff| vs (c)")
+    rows = []
+    for key, record in runs.items():
+        difference = record["max_abs_diff_vs_single_process"]
+        largest = max(difference["parameters"], difference["buffers"])
+        rows.append(
+            (
+                record["label"],
+                f"{record['train_loss']:.4f}",
+                f"{100 * record['test_accuracy']:.1f} %",
+                f"{record['train_seconds']:.1f} s",
+                "(reference)" if key == "single_process" else f"{largest:.1e}",
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:]))
+        return "  ".join([first, *rest])
+
+    rule = "  ".join("-" * width for width in widths)
+    config = results["config"]
+    steps = runs["single_process"]["curve"]["step"]
+    window = steps[-1] - (steps[-2] if len(steps) > 1 else 0)
+    notes = [
+        f"{results['train_size']} training / {results['test_size']} test images, "
+        f"{config['steps']} steps, global batch {results['global_batch']}, {config['dtype']}, "
+        f"seed {config['seed']}.",
+        f"train loss: mean over the global batches of the last {window} steps; test acc: "
+        "final model in eval mode;",
+        "train time: the optimizer steps, on rank 0; max |diff| vs (c): largest difference of "
+        "any parameter or running statistic from run (c) after the last step.",
+    ]
+    return "\n".join([line(header), rule, *(line(row) for row in rows), "", *notes])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``syncbn demo`` with parsed options; return the exit code.
+
+    Raises:
+        argparse.ArgumentError: for options that cannot work together; the CLI
+            reports it like a parsing error (exit code 2).
+    """
+    config = DemoConfig(
+        nproc=args.nproc,
+        batch_per_proc=args.batch_per_proc,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    try:
+        results = run_demo(config, args.out)
+    except DemoError as error:
+        print(f"syncbn demo: error: {error}", file=sys.stderr)
+        return error.exit_code
+    out = os.path.abspath(args.out)
+    print(format_table(results))
+    print(f"\nwrote {os.path.join(out, PLOT_FILE)} and {os.path.join(out, RESULTS_FILE)}")
+    return 0
