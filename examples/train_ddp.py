@@ -173,7 +173,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
     # Each rank reads its own 1/world_size of the data; drop_last keeps every rank at
     # the same number of equal batches (every rank must call each BatchNorm layer alike).
-    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    sampler: DistributedSampler[int] = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     if len(loader) == 0:
         raise ValueError(

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -52,10 +53,13 @@ def _torchrun(*options: str) -> list[str]:
 
 
 def _launch(tmp_path: Path, *commands: list[str]) -> str:
-    """Run the commands concurrently; return their joined output or fail with it."""
+    """Run the commands concurrently; return their joined output, or fail with it.
+
+    Stops early if one exits with an error, and kills every process group at the end.
+    """
     logs = [tmp_path / f"launch{i}.log" for i in range(len(commands))]
-    procs = []
-    timed_out = False
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
         for command, log in zip(commands, logs):
             with log.open("w") as out:
@@ -69,10 +73,10 @@ def _launch(tmp_path: Path, *commands: list[str]) -> str:
                         start_new_session=True,  # its own process group, to kill the workers too
                     )
                 )
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        codes = [proc.poll() for proc in procs]
+        while None in codes and not any(codes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            codes = [proc.poll() for proc in procs]
     finally:
         for proc in procs:
             try:
@@ -81,9 +85,8 @@ def _launch(tmp_path: Path, *commands: list[str]) -> str:
                 pass
             proc.wait()
     output = "\n".join(log.read_text() for log in logs)
-    codes = [proc.returncode for proc in procs]
-    assert not timed_out, f"killed after {LAUNCH_TIMEOUT} s:\n{output}"
-    assert codes == [0] * len(commands), f"exit codes {codes}:\n{output}"
+    assert not any(codes), f"exit codes {codes} (None: killed by the test):\n{output}"
+    assert None not in codes, f"killed after {LAUNCH_TIMEOUT} s:\n{output}"
     return output
 
 
@@ -116,7 +119,7 @@ def test_requires_torchrun_environment(
 
 @pytest.mark.parametrize("option", [["--batch-size", "0"], ["--epochs", "0"], ["--steps", "-1"]])
 def test_rejects_non_positive_sizes(
-    option: list[str], monkeypatch: pytest.MonkeyPatch, capsys
+    option: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     example = _example()
     monkeypatch.setenv("RANK", "0")
