@@ -142,3 +142,30 @@ def test_unknown_backend_is_left_to_the_collective() -> None:
 def test_create_process_group_needs_init() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         syncbn.create_process_group(1)
+
+
+def _blocks(rank: int, world_size: int, group_size: int) -> dict[str, object]:
+    try:
+        group = syncbn.create_process_group(group_size)
+    except ValueError as error:
+        return {"error": str(error)}
+    bn = syncbn.SyncBatchNorm(2, momentum=1.0, process_group=group)
+    x = torch.full((3, 2), float(rank))  # each rank's batch has its own mean
+    bn(x)
+    return {"size": dist.get_world_size(group), "mean": bn.running_mean.tolist()}
+
+
+def test_create_process_group_syncs_within_blocks(pool2: WorkerPool) -> None:
+    alone = pool2.run(_blocks, 1)
+    assert [r["size"] for r in alone] == [1, 1]
+    assert [r["mean"] for r in alone] == [[0.0, 0.0], [1.0, 1.0]]  # local statistics
+    together = pool2.run(_blocks, 2)
+    assert [r["mean"] for r in together] == [[0.5, 0.5], [0.5, 0.5]]  # global statistics
+
+
+def test_create_process_group_needs_a_divisor(pool3: WorkerPool) -> None:
+    for result in pool3.run(_blocks, 2):
+        assert result == {
+            "error": "group_size must be a positive divisor of the world size, got "
+            "group_size=2 and world_size=3"
+        }
