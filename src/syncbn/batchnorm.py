@@ -12,7 +12,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn._autograd import LayerInfo, is_recomputing
 from syncbn.functional import _input_problem, _sync_batch_norm
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "momentum_factor"]
+
+
+def momentum_factor(module: _BatchNorm) -> float:
+    """The running-statistics factor of ``module``'s next training step, as torch computes it.
+
+    ``momentum``, or with ``momentum=None`` the cumulative-average factor
+    ``1 / (num_batches_tracked + 1)`` (the counter is incremented after the update).
+    """
+    if module.momentum is not None:
+        return module.momentum
+    if module.track_running_stats and module.num_batches_tracked is not None:
+        return 1.0 / float(module.num_batches_tracked + 1)
+    return 0.0
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -132,10 +145,7 @@ class SyncBatchNorm(_BatchNorm):
         )
         # A forward recomputed by activation checkpointing updates no running statistics.
         recomputing = is_recomputing()
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked + 1)
+        factor = momentum_factor(self)
         output = _sync_batch_norm(
             input,
             self.running_mean if self.track_running_stats else None,

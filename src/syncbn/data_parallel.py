@@ -43,6 +43,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn._autograd import LayerInfo, sync_batch_norm_train
+from syncbn.batchnorm import momentum_factor
+from syncbn.functional import update_running_stats
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -271,10 +273,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if problem is not None:
             rendezvous.abort(self._replica_copy_id, problem)
             raise problem
-        factor = 0.0 if self.momentum is None else self.momentum
-        track = self.track_running_stats and self.num_batches_tracked is not None
-        if track and self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked + 1)  # type: ignore[operator]
+        factor = momentum_factor(self)
         try:
             reducer = _ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
             layer = LayerInfo(type(self).__name__, self.num_features, self._replica_calls, False)
@@ -286,13 +285,9 @@ class _SynchronizedBatchNorm(_BatchNorm):
             raise
         finally:
             self._replica_calls += 1
-        if track:
-            with torch.no_grad():
-                if self.running_mean is not None:
-                    self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-                if self.running_var is not None:
-                    self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), factor)
-                self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            update_running_stats(self.running_mean, self.running_var, mean, unbiased_var, factor)
+            self.num_batches_tracked.add_(1)
         return output
 
 
