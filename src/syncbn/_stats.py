@@ -44,7 +44,6 @@ import torch.nn.functional as F
 __all__ = [
     "GlobalMoments",
     "Header",
-    "backward_size",
     "backward_sums",
     "fingerprint",
     "forward_size",
@@ -53,7 +52,6 @@ __all__ = [
     "pack_backward",
     "pack_forward",
     "read_header",
-    "reduction_dims",
     "stat_dtype",
     "unpack_backward",
     "unpack_forward",
@@ -67,11 +65,6 @@ _PACK_DTYPE = torch.float64
 def forward_size(num_features: int) -> int:
     """Length of a forward buffer: header, count, two sums per channel, trailer."""
     return _HEADER_SIZE + 1 + 2 * num_features + 1
-
-
-def backward_size(num_features: int) -> int:
-    """Length of a backward buffer: header, two sums per channel, trailer."""
-    return _HEADER_SIZE + 2 * num_features + 1
 
 
 class Header(NamedTuple):
@@ -89,11 +82,6 @@ class GlobalMoments(NamedTuple):
     n: torch.Tensor
     mean: torch.Tensor
     var: torch.Tensor
-
-
-def reduction_dims(ndim: int) -> list[int]:
-    """Dimensions to reduce over for an ``(N, C, *)`` input: all but the channel dim."""
-    return [0, *range(2, ndim)]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
