@@ -149,6 +149,26 @@ def derive_layer(case: dict[str, Any]) -> dict[str, Any]:
     if "torch_syncbn.forward_backward" in t:
         row["torch_syncbn_s"] = t["torch_syncbn.forward_backward"]
         row["speedup_vs_torch_syncbn"] = t["torch_syncbn.forward_backward"] / row["syncbn_s"]
+    phases = {
+        name.split(":", 1)[1]: value for name, value in t.items() if name.startswith("syncbn:")
+    }
+    if phases:
+        row["phases_s"] = phases
+        row["rest_s"] = compute - sum(phases.values())
+    if case.get("best_s"):
+        best = derive_layer({**case, "times_s": case["best_s"], "best_s": None})
+        row["best"] = {
+            key: best[key]
+            for key in (
+                "batchnorm_s",
+                "syncbn_s",
+                "latency_s",
+                "syncbn_compute_s",
+                "compute_vs_batchnorm",
+                "compute_vs_floor",
+                "speedup_vs_reference",
+            )
+        }
     return row
 
 
@@ -427,8 +447,8 @@ def render_markdown(results: dict[str, Any], derived: dict[str, Any]) -> str:
         out += _collectives_section(derived)
     if "memory" in derived:
         out += _memory_section(derived)
-    if "profiles" in results or "blocks" in results:
-        out += _profile_section(results)
+    if "profiles" in results or "blocks" in results or "layers" in derived:
+        out += _profile_section(results, derived)
     out += _misses_section(results, derived)
     return "\n".join(out) + "\n"
 
@@ -566,7 +586,8 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
                     _case_label(row),
                     f"{row['bandwidth_gbps']:.1f}",
                     _us(row["latency_s"]),
-                    _us(row["layer_order_check_s"]),
+                    _us(row["layer_order_check_s"])
+                    + (" (within noise)" if _within_noise(row) else ""),
                     _us(row["noise_iqr_s"]),
                 ]
                 for row in derived["layers"]
@@ -574,7 +595,49 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
         ),
         "",
     ]
+    best_rows = [row for row in derived["layers"] if "best" in row]
+    if best_rows:
+        out += [
+            "## Per layer: ratios from the fastest blocks",
+            "",
+            "The same forward+backward ratios computed from each variant's fastest timed block "
+            "instead of its median (maximum over ranks of each rank's fastest block): closer to "
+            "what a quiet machine shows when the run was disturbed by other load. The verdicts "
+            "above use the medians.",
+            "",
+            *_table(
+                [
+                    "case",
+                    "BatchNorm ms",
+                    "SyncBN ms",
+                    "collectives ms",
+                    "SyncBN compute ms",
+                    "compute / BN",
+                    "compute / floor",
+                    "vs reference",
+                ],
+                [
+                    [
+                        _case_label(row),
+                        _ms(row["best"]["batchnorm_s"]),
+                        _ms(row["best"]["syncbn_s"]),
+                        _ms(row["best"]["latency_s"]),
+                        _ms(row["best"]["syncbn_compute_s"]),
+                        _ratio(row["best"]["compute_vs_batchnorm"]),
+                        _ratio(row["best"]["compute_vs_floor"]),
+                        _ratio(row["best"]["speedup_vs_reference"]),
+                    ]
+                    for row in best_rows
+                ],
+            ),
+            "",
+        ]
     return out
+
+
+def _within_noise(row: dict[str, Any]) -> bool:
+    noise = row.get("noise_iqr_s")
+    return noise is not None and abs(row["layer_order_check_s"]) <= noise
 
 
 def _model_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
@@ -706,15 +769,17 @@ def _memory_section(derived: dict[str, Any]) -> list[str]:
     ]
 
 
-def _profile_section(results: dict[str, Any]) -> list[str]:
+def _profile_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     out = ["## Where SyncBatchNorm's time goes", ""]
+    out += _phases_table(derived)
     if "profiles" in results:
         profiles = results["profiles"]
         out += [
             f"torch.profiler (CPU self time per forward+backward call on rank 0, mean of "
             f"{profiles['iterations']} calls; the profiler adds a few us per op, so totals "
-            "exceed the timed medians), summed by category. `BN kernels` = BatchNorm's own "
-            "native_batch_norm + native_batch_norm_backward self time for the same case.",
+            "exceed the timed medians), summed by category. `collectives` includes the wait "
+            "for the other rank. `BN kernels` = BatchNorm's own native_batch_norm + "
+            "native_batch_norm_backward self time for the same case.",
             "",
         ]
         labels = [label for label, _ in CATEGORIES] + [OTHER]
@@ -739,7 +804,7 @@ def _profile_section(results: dict[str, Any]) -> list[str]:
                 rows,
             ),
             "",
-            "Top SyncBN ops per case (self us per call, calls per layer call):",
+            "Top SyncBN ops per case (self us per layer call, and calls per layer call):",
             "",
         ]
         for case in profiles["cases"]:
@@ -747,94 +812,84 @@ def _profile_section(results: dict[str, Any]) -> list[str]:
             ops = ", ".join(f"{op['name']} {op['self_us']:.0f} ({op['calls']:g})" for op in top)
             out.append(f"- {_case_label(case)}: {ops}")
         out.append("")
-    if "blocks" in results:
-        out += _blocks_tables(results)
+    if "blocks" in results and results["blocks"]["cases"]:
+        cases = results["blocks"]["cases"]
+        names = list(cases[0]["times_s"])
+        out += [
+            "Candidate building blocks, timed alone on the same inputs (median us per call, "
+            "rank-local, both ranks running them at once): what a SyncBatchNorm composed of "
+            "these ops could cost. `sum` accumulates in float32, `sum_float64` in float64; "
+            "`bn_backward_sums_only` is eval-mode `native_batch_norm_backward` returning only "
+            "sum(dy) and sum(dy*xhat).",
+            "",
+            *_table(
+                ["case", *names],
+                [
+                    [_case_label(case), *[_us(case["times_s"][name]) for name in names]]
+                    for case in cases
+                ],
+            ),
+            "",
+        ]
     return out
 
 
-PHASES = ("syncbn:local_moments", "syncbn:normalize", "syncbn:backward_sums", "syncbn:input_grad")
+#: SyncBatchNorm's large-tensor steps, as timed by suite._syncbn_phases.
+PHASES = ("local_moments", "normalize", "backward_sums", "input_grad")
 
 
-def _blocks_tables(results: dict[str, Any]) -> list[str]:
-    cases = results["blocks"]["cases"]
-    if not cases:
+def _phases_table(derived: dict[str, Any]) -> list[str]:
+    rows = [row for row in derived.get("layers", []) if "phases_s" in row]
+    if not rows:
         return []
-    names = [name for name in cases[0]["times_s"] if not name.startswith("syncbn:")]
-    layers = {
-        _case_label(case): case["times_s"] for case in results.get("layers", {}).get("cases", [])
-    }
-    out = [
-        "Candidate building blocks, timed alone on the same inputs (us per call, rank-local, "
-        "both ranks running them at once): what a SyncBatchNorm composed of these ops would "
-        "cost. `sum` accumulates in float32, `sum_float64` in float64.",
+    return [
+        "SyncBatchNorm's own large-tensor steps, timed alone without collectives in the same "
+        "interleaved measurement as the per-layer table: forward statistics "
+        "(`syncbn._stats.local_moments`), eval-mode `batch_norm` normalization, backward "
+        "reductions (`_stats.backward_sums`) and input gradient (`_stats.input_grad`). "
+        "*rest* = SyncBN compute minus these steps: small per-channel ops, packing, the "
+        "header read, Python and autograd overhead, and any wait for the other rank beyond "
+        "the collectives' own latency. us (medians).",
         "",
-        *_table(
-            ["case", *names],
-            [
-                [_case_label(case), *[_us(case["times_s"][name]) for name in names]]
-                for case in cases
-            ],
-        ),
-        "",
-        "SyncBatchNorm's own large-tensor steps (`syncbn._stats` functions and the eval-mode "
-        "`batch_norm` it calls), timed alone without collectives, against BatchNorm's "
-        "forward+backward and SyncBN's compute from the per-layer table. *rest* = SyncBN "
-        "compute minus these phases: small per-channel ops, packing, Python and autograd "
-        "overhead, and waiting for the other rank beyond the collective's own latency. us.",
-        "",
-    ]
-    rows = []
-    for case in cases:
-        times = case["times_s"]
-        phases = [times.get(name) for name in PHASES]
-        known = sum(p for p in phases if p is not None)
-        layer = layers.get(_case_label(case))
-        compute = bn = None
-        if layer is not None:
-            bn = layer["batchnorm.forward_backward"]
-            compute = (
-                layer["syncbn.forward_backward"]
-                - layer["all_reduce.forward"]
-                - layer["all_reduce.backward"]
-            )
-        rows.append(
-            [
-                _case_label(case),
-                *[_us(p) for p in phases],
-                _us(known),
-                _us(bn),
-                _us(compute),
-                _us(None if compute is None else compute - known),
-            ]
-        )
-    out += [
         *_table(
             [
                 "case",
-                "local_moments",
-                "normalize",
-                "backward_sums",
-                "input_grad",
-                "phases total",
-                "BatchNorm fwd+bwd",
-                "SyncBN compute",
+                *PHASES,
+                "steps total",
                 "rest",
+                "SyncBN compute",
+                "BatchNorm fwd+bwd",
+                "largest part",
             ],
-            rows,
+            [
+                [
+                    _case_label(row),
+                    *[_us(row["phases_s"].get(name)) for name in PHASES],
+                    _us(sum(row["phases_s"].values())),
+                    _us(row["rest_s"]),
+                    _us(row["syncbn_compute_s"]),
+                    _us(row["batchnorm_s"]),
+                    _largest_part(row),
+                ]
+                for row in rows
+            ],
         ),
         "",
     ]
-    return out
+
+
+def _largest_part(row: dict[str, Any]) -> str:
+    parts = {**row["phases_s"], "rest": row["rest_s"]}
+    name, value = max(parts.items(), key=lambda item: item[1])
+    return (
+        f"{name} ({value / row['syncbn_compute_s']:.0%})" if row["syncbn_compute_s"] > 0 else name
+    )
 
 
 def _misses_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     out = ["## Misses", ""]
-    profiles = {}
-    for case in results.get("profiles", {}).get("cases", []):
-        profiles[_case_label(case)] = case["profiles"]
     lines = []
     for row in derived.get("layers", []):
-        label = _case_label(row)
         missed = []
         if row["compute_vs_batchnorm_verdict"] == "MISS":
             factor = miss_factor(row["compute_vs_batchnorm"], row["compute_vs_batchnorm_limit"])
@@ -859,11 +914,9 @@ def _misses_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
         if not missed:
             continue
         evidence = ""
-        if label in profiles:
-            categories = categorize(profiles[label]["syncbn"]["ops"])
-            top = sorted(categories.items(), key=lambda item: item[1], reverse=True)[:3]
-            evidence = "; profile: " + ", ".join(f"{name} {us:.0f} us" for name, us in top)
-        lines.append(f"- {label}: " + "; ".join(missed) + evidence)
+        if "phases_s" in row:
+            evidence = f"; largest part of SyncBN compute: {_largest_part(row)}"
+        lines.append(f"- {_case_label(row)}: " + "; ".join(missed) + evidence)
     model = derived.get("model", {}).get("syncbn")
     if model and model["verdict"] == "MISS":
         lines.append(
@@ -872,5 +925,81 @@ def _misses_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
             f"({miss_factor(model['overhead_vs_floor'], 1.5):.2f}x over)"
         )
     out += lines or ["None: every target is met in this run."]
-    out.append("")
+    out += ["", *_next_steps(results, derived)]
     return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _next_steps(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    """Closing note: what this run's numbers say to do next (facts quoted from the run)."""
+    out = ["## Closing note: what the numbers point to", ""]
+    rows = [row for row in derived.get("layers", []) if "phases_s" in row]
+    blocks = {
+        _case_label(case): case["times_s"] for case in results.get("blocks", {}).get("cases", [])
+    }
+    notes = []
+    if rows:
+        shares = {
+            name: _median(
+                [row["phases_s"].get(name, 0.0) / row["syncbn_compute_s"] for row in rows]
+            )
+            for name in PHASES
+        }
+        shares["rest"] = _median([row["rest_s"] / row["syncbn_compute_s"] for row in rows])
+        ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
+        notes.append(
+            "Median share of SyncBN compute over all cases: "
+            + ", ".join(f"{name} {share:.0%}" for name, share in ranked)
+            + "."
+        )
+    for row in rows:
+        block = blocks.get(_case_label(row))
+        if block is None or row["memory_format"] != "contiguous" or row["dtype"] != "float32":
+            continue
+        moments = row["phases_s"].get("local_moments")
+        one_pass = block.get("sum", 0.0) + block.get("sum_of_squares", 0.0)
+        if moments and one_pass:
+            notes.append(
+                f"{_case_label(row)}: local_moments takes {_us(moments)} us where a float32 "
+                f"`sum` plus `sum_of_squares` take {_us(one_pass)} us and `sum_float64` alone "
+                f"{_us(block.get('sum_float64'))} us; the input gradient takes "
+                f"{_us(row['phases_s'].get('input_grad'))} us where an eval-mode `batch_norm` "
+                f"(one read, one write) takes {_us(block.get('batch_norm_eval_forward'))} us; "
+                f"BatchNorm's training forward kernel alone takes "
+                f"{_us(block.get('batch_norm_train_forward'))} us."
+            )
+            break
+    small = [row for row in rows if _numel(row["shape"]) <= 32768]
+    for row in small:
+        notes.append(
+            f"{_case_label(row)} (a small layer): BatchNorm takes {_us(row['batchnorm_s'])} us "
+            f"in all, SyncBN's large-tensor steps {_us(sum(row['phases_s'].values()))} us and "
+            f"the rest {_us(row['rest_s'])} us: fixed per-call overhead decides small layers."
+        )
+    model = derived.get("model")
+    if model and "syncbn_own_group" in model:
+        notes.append(
+            "Whole model: SyncBN overhead per step "
+            f"{_ms(model['syncbn']['overhead_s'], 2)} ms on the default group, "
+            f"{_ms(model['syncbn_own_group']['overhead_s'], 2)} ms on its own group, against a "
+            f"collective-latency floor of {_ms(model['latency_floor_s'], 2)} ms."
+        )
+    if _busy(results["machine"], results):
+        notes.append(
+            "This run shared the machine with other work (see the load average above): the "
+            "collective latencies and 'rest' include scheduling delays of the two ranks, so "
+            "rerun `python benchmarks/run.py` on a quiet machine before judging the targets."
+        )
+    return [*out, *[f"- {note}" for note in notes], ""]
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total

@@ -87,9 +87,16 @@ def test_bench_rejects_bad_shapes(text: str) -> None:
         _bench.parse_shape(text)
 
 
-def test_bench_rejects_world_size_of_one() -> None:
-    with pytest.raises(ValueError, match="--world-size must be at least 2"):
-        _run_bench(["--world-size", "1"])
+@pytest.mark.parametrize(
+    "option", [["--world-size", "1"], ["--repeats", "0"], ["--min-time", "-1"], ["--device", "tpu"]]
+)
+def test_bench_rejects_bad_options(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    _bench.add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(option)
+    assert exit_info.value.code == 2
+    assert option[0] in capsys.readouterr().err
 
 
 def test_measure_alone_agrees_with_call_counts() -> None:
@@ -208,6 +215,12 @@ def test_derive_layer_ratios_and_targets() -> None:
     )
     assert row["speedup_vs_reference"] == pytest.approx(3.0)
     assert row["layer_order_check_s"] == pytest.approx(0.01)
+    case = _layer_case("float32", "contiguous", syncbn_s=2.0)
+    case["times_s"].update({"syncbn:local_moments": 0.5, "syncbn:input_grad": 0.25})
+    case["best_s"] = {**case["times_s"], "batchnorm.forward_backward": 1.5}
+    with_parts = report.derive_layer(case)
+    assert with_parts["rest_s"] == pytest.approx(0.75)  # 1.5 - 0.5 - 0.25
+    assert with_parts["best"]["compute_vs_batchnorm"] == pytest.approx(1.0)
     slow_bf16 = report.derive_layer(_layer_case("bfloat16", "channels_last", syncbn_s=3.8))
     assert slow_bf16["compute_vs_batchnorm_limit"] == 1.0
     assert slow_bf16["compute_vs_batchnorm_verdict"] == "MISS"

@@ -185,12 +185,15 @@ class Timing:
         median: seconds per call: every rank's median over blocks, then the maximum
             over ranks.
         iqr: interquartile range of the per-call times over blocks (maximum over ranks).
+        best: per-call time of every rank's fastest block, then the maximum over ranks
+            (less sensitive than the median to other load on the machine).
         calls_per_block: calls in each timed block (the same on every rank).
         blocks: number of timed blocks.
     """
 
     median: float
     iqr: float
+    best: float
     calls_per_block: int
     blocks: int
 
@@ -289,10 +292,16 @@ def measure(
     local: list[float] = []
     for name in fns:
         q1, q3 = _quartiles(samples[name])
-        local += [statistics.median(samples[name]), q3 - q1]
+        local += [statistics.median(samples[name]), q3 - q1, min(samples[name])]
     merged = _max_over_ranks(local, group)
     return {
-        name: Timing(merged[2 * i], merged[2 * i + 1], calls[name], repeats)
+        name: Timing(
+            median=merged[3 * i],
+            iqr=merged[3 * i + 1],
+            best=merged[3 * i + 2],
+            calls_per_block=calls[name],
+            blocks=repeats,
+        )
         for i, name in enumerate(fns)
     }
 
@@ -414,6 +423,29 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``syncbn bench`` to ``parser``."""
     parser.add_argument(
@@ -425,21 +457,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="input shapes per rank (default: 2x64x56x56 8x256x14x14 16x1024)",
     )
     parser.add_argument(
-        "--world-size", type=int, default=2, help="number of gloo ranks (default: 2)"
+        "--world-size", type=_int_at_least(2), default=2, help="number of ranks (default: 2)"
     )
     parser.add_argument(
-        "--repeats", type=int, default=15, help="timed blocks per measurement (default: 15)"
+        "--repeats",
+        type=_int_at_least(1),
+        default=15,
+        help="timed blocks per measurement (default: 15)",
     )
     parser.add_argument(
         "--min-time",
-        type=float,
+        type=_positive_float,
         default=0.01,
         help="shortest timed block in seconds (default: 0.01)",
     )
     parser.add_argument(
         "--device",
+        choices=["cpu", "cuda"],
         default="cpu",
-        help="device of the ranks: cpu (gloo) or cuda (nccl, one GPU per rank) (default: cpu)",
+        help="cpu (gloo ranks) or cuda (nccl, one GPU per rank) (default: cpu)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
 
@@ -574,12 +610,18 @@ def _fmt_ms(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``syncbn bench``: print a table and optionally write ``--json``; return 0."""
-    if args.world_size < 2:
-        raise ValueError(f"--world-size must be at least 2, got {args.world_size}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be positive, got {args.repeats}")
-    device_type = torch.device(args.device).type
+    """Run ``syncbn bench``: print a table and optionally write ``--json``; return 0.
+
+    Raises:
+        argparse.ArgumentError: for ``--device cuda`` without a GPU per rank.
+    """
+    device_type = args.device
+    if device_type == "cuda" and torch.cuda.device_count() < args.world_size:
+        raise argparse.ArgumentError(
+            None,
+            f"--device cuda needs one GPU per rank: {args.world_size} ranks but "
+            f"{torch.cuda.device_count()} GPU(s) visible",
+        )
     backend = "nccl" if device_type == "cuda" else "gloo"
     shapes = [tuple(shape) for shape in args.shapes]
     info = machine_info()
