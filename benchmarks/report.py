@@ -155,8 +155,25 @@ def derive_layer(case: dict[str, Any]) -> dict[str, Any]:
     if phases:
         row["phases_s"] = phases
         row["rest_s"] = compute - sum(phases.values())
+    if case.get("cpu_s"):
+        c = case["cpu_s"]
+        cpu_compute = (
+            c["syncbn.forward_backward"] - c["all_reduce.forward"] - c["all_reduce.backward"]
+        )
+        cpu_phases = sum(v for name, v in c.items() if name.startswith("syncbn:"))
+        row["cpu"] = {
+            "batchnorm_s": c["batchnorm.forward_backward"],
+            "syncbn_s": c["syncbn.forward_backward"],
+            "reference_s": c["reference.forward_backward"],
+            "collectives_s": c["all_reduce.forward"] + c["all_reduce.backward"],
+            "syncbn_compute_s": cpu_compute,
+            "compute_vs_batchnorm": cpu_compute / c["batchnorm.forward_backward"],
+            "reference_vs_syncbn": c["reference.forward_backward"] / c["syncbn.forward_backward"],
+            "phases_s": cpu_phases if phases else None,
+            "rest_s": cpu_compute - cpu_phases if phases else None,
+        }
     if case.get("best_s"):
-        best = derive_layer({**case, "times_s": case["best_s"], "best_s": None})
+        best = derive_layer({**case, "times_s": case["best_s"], "best_s": None, "cpu_s": None})
         row["best"] = {
             key: best[key]
             for key in (
@@ -178,12 +195,15 @@ def derive_model(model: dict[str, Any]) -> dict[str, Any]:
     floor = sum(t[f"all_reduce.{nbytes}"] for nbytes in model["syncbn_collective_bytes"])
     limit = TARGETS["model_overhead_vs_latency_floor"]
     row: dict[str, Any] = {"batchnorm_step_s": t["batchnorm"], "latency_floor_s": floor}
+    cpu = model.get("cpu_s") or {}
+    row["batchnorm_cpu_s"] = cpu.get("batchnorm")
     for variant in ("syncbn", "syncbn_own_group"):
         if variant not in t:
             continue
         overhead = t[variant] - t["batchnorm"]
         row[variant] = {
             "step_s": t[variant],
+            "cpu_s": cpu.get(variant),
             "overhead_s": overhead,
             "overhead_vs_floor": overhead / floor,
             "verdict": verdict(overhead / floor, limit),
@@ -632,6 +652,50 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
             ),
             "",
         ]
+    cpu_rows = [row for row in derived["layers"] if "cpu" in row]
+    if cpu_rows:
+        out += [
+            "## Per layer: main-thread CPU time",
+            "",
+            "CPU time of each rank's calling thread per forward+backward (`time.thread_time`, "
+            "median, maximum over ranks): the work the layer itself does, without waiting for "
+            "the other rank, for the collectives (gloo waits without spinning) or for a CPU "
+            "taken by other processes, so it is the view least disturbed by a busy machine. "
+            "*SyncBN compute* subtracts the CPU time of issuing its collectives alone; "
+            "*steps* = its large-tensor steps (next section), *rest* = compute minus steps: "
+            "the fixed per-call cost of small ops, packing, Python and autograd.",
+            "",
+            *_table(
+                [
+                    "case",
+                    "BatchNorm ms",
+                    "SyncBN ms",
+                    "collectives ms",
+                    "SyncBN compute ms",
+                    "compute / BN",
+                    "steps ms",
+                    "rest ms",
+                    "reference ms",
+                    "reference / SyncBN",
+                ],
+                [
+                    [
+                        _case_label(row),
+                        _ms(row["cpu"]["batchnorm_s"]),
+                        _ms(row["cpu"]["syncbn_s"]),
+                        _ms(row["cpu"]["collectives_s"]),
+                        _ms(row["cpu"]["syncbn_compute_s"]),
+                        _ratio(row["cpu"]["compute_vs_batchnorm"]),
+                        _ms(row["cpu"]["phases_s"]),
+                        _ms(row["cpu"]["rest_s"]),
+                        _ms(row["cpu"]["reference_s"]),
+                        _ratio(row["cpu"]["reference_vs_syncbn"]),
+                    ]
+                    for row in cpu_rows
+                ],
+            ),
+            "",
+        ]
     return out
 
 
@@ -644,7 +708,14 @@ def _model_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str
     model = results["model"]
     row = derived["model"]
     lines = [
-        ["BatchNorm", _ms(row["batchnorm_step_s"], 2), "", "", ""],
+        [
+            "BatchNorm",
+            _ms(row["batchnorm_step_s"], 2),
+            _ms(row.get("batchnorm_cpu_s"), 2),
+            "",
+            "",
+            "",
+        ],
     ]
     labels = {
         "syncbn": "SyncBatchNorm (default group)",
@@ -657,6 +728,7 @@ def _model_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str
                 [
                     label,
                     _ms(entry["step_s"], 2),
+                    _ms(entry.get("cpu_s"), 2),
                     _ms(entry["overhead_s"], 2),
                     _ms(row["latency_floor_s"], 2),
                     _ratio(entry["overhead_vs_floor"], entry["verdict"]),
@@ -675,7 +747,17 @@ def _model_section(results: dict[str, Any], derived: dict[str, Any]) -> list[str
         "SyncBN layers a separate group from DDP's, so their all_reduces do not queue behind "
         "DDP's gradient buckets.",
         "",
-        *_table(["model", "step ms", "overhead ms", "latency floor ms", "overhead / floor"], lines),
+        *_table(
+            [
+                "model",
+                "step ms",
+                "main-thread CPU ms",
+                "overhead ms",
+                "latency floor ms",
+                "overhead / floor",
+            ],
+            lines,
+        ),
         "",
     ]
 
@@ -968,18 +1050,29 @@ def _next_steps(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
                 f"{_case_label(row)}: local_moments takes {_us(moments)} us where a float32 "
                 f"`sum` plus `sum_of_squares` take {_us(one_pass)} us and `sum_float64` alone "
                 f"{_us(block.get('sum_float64'))} us; the input gradient takes "
-                f"{_us(row['phases_s'].get('input_grad'))} us where an eval-mode `batch_norm` "
-                f"(one read, one write) takes {_us(block.get('batch_norm_eval_forward'))} us; "
+                f"{_us(row['phases_s'].get('input_grad')) or '(not measured)'} us where an "
+                f"eval-mode `batch_norm` (one read, one write) takes "
+                f"{_us(block.get('batch_norm_eval_forward'))} us; "
                 f"BatchNorm's training forward kernel alone takes "
                 f"{_us(block.get('batch_norm_train_forward'))} us."
             )
             break
+    cpu_rest = [row["cpu"]["rest_s"] for row in rows if row.get("cpu", {}).get("rest_s")]
+    if cpu_rest:
+        notes.append(
+            f"Fixed per-call cost (main-thread CPU of SyncBN forward+backward minus its "
+            f"large-tensor steps and collectives): median {_us(_median(cpu_rest))} us over the "
+            f"cases, from {_us(min(cpu_rest))} to {_us(max(cpu_rest))} us."
+        )
     small = [row for row in rows if _numel(row["shape"]) <= 32768]
     for row in small:
+        cpu = row.get("cpu", {})
         notes.append(
             f"{_case_label(row)} (a small layer): BatchNorm takes {_us(row['batchnorm_s'])} us "
-            f"in all, SyncBN's large-tensor steps {_us(sum(row['phases_s'].values()))} us and "
-            f"the rest {_us(row['rest_s'])} us: fixed per-call overhead decides small layers."
+            f"({_us(cpu.get('batchnorm_s'))} us CPU), SyncBN's large-tensor steps "
+            f"{_us(sum(row['phases_s'].values()))} us, and SyncBN's compute "
+            f"{_us(row['syncbn_compute_s'])} us ({_us(cpu.get('syncbn_compute_s'))} us CPU): "
+            "the fixed per-call cost decides small layers."
         )
     model = derived.get("model")
     if model and "syncbn_own_group" in model:

@@ -8,6 +8,7 @@ data (numbers, strings, lists, dicts) that ``run.py`` stores as JSON.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import sys
 import time
@@ -189,6 +190,7 @@ def _layer_case(
         },
         "times_s": {name: t.median for name, t in timings.items()},
         "best_s": {name: t.best for name, t in timings.items()},
+        "cpu_s": {name: t.cpu for name, t in timings.items()},
         "iqr_s": {name: t.iqr for name, t in timings.items()},
         "calls_per_block": {name: t.calls_per_block for name, t in timings.items()},
     }
@@ -242,40 +244,55 @@ def _block_fns(case: dict[str, Any], rank: int, device: torch.device) -> dict[st
     return fns
 
 
+def _call_by_names(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[[], object]:
+    """``fn`` bound to ``values`` by parameter name (raises KeyError for an unknown one)."""
+    parameters = inspect.signature(fn).parameters
+    kwargs = {name: values[name] for name, p in parameters.items() if p.default is p.empty}
+    return functools.partial(fn, **kwargs)
+
+
 def _syncbn_phases(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
-    """SyncBatchNorm's own large-tensor steps (syncbn._stats), timed without collectives.
+    """SyncBatchNorm's own large-tensor steps (syncbn._stats), to time without collectives.
 
-    These are private functions of the core; if their signatures change, the phases
-    that no longer run are left out (and listed under ``skipped`` in the results).
+    These are private functions of the core, called by parameter name (``input``,
+    ``grad_output``, ``mean``, ``var``, ``invstd``, ``eps``, ``weight``, ``mean_dy``,
+    ``mean_dy_xhat``); a step whose function is gone or wants other parameters is left
+    out, and the report shows it as missing.
     """
     from syncbn import _stats
 
+    eps = 1e-5
+    phases: dict[str, Callable[[], object]] = {}
     try:
-        mean64, var64 = _stats.local_moments(x)
+        moments = _call_by_names(_stats.local_moments, {"input": x})
+        mean64, var64 = moments()
         mean, var = mean64.float(), var64.float()
-        invstd = torch.rsqrt(var + 1e-5)
-        sums = _stats.backward_sums(dy, x, mean, var, 1e-5)
-    except (TypeError, ValueError, RuntimeError, AttributeError):
-        return {}
-    count = x.numel() // x.shape[1]
-    candidates: dict[str, Callable[[], object]] = {
-        "syncbn:local_moments": lambda: _stats.local_moments(x),
-        "syncbn:normalize": lambda: F.batch_norm(x, mean, var, weight, weight, False, 0.0, 1e-5),
-        "syncbn:backward_sums": lambda: _stats.backward_sums(dy, x, mean, var, 1e-5),
-        "syncbn:input_grad": lambda: _stats.input_grad(
-            dy, x, mean, invstd, weight, sums[0] / count, sums[1] / count
-        ),
-    }
-    working = {}
-    for name, fn in candidates.items():
-        try:
-            fn()
-        except (TypeError, ValueError, RuntimeError, AttributeError):
-            continue
-        working[name] = fn
-    return working
+        phases["syncbn:local_moments"] = moments
+        phases["syncbn:normalize"] = functools.partial(
+            F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
+        )
+        values = {
+            "input": x,
+            "grad_output": dy,
+            "mean": mean,
+            "var": var,
+            "invstd": torch.rsqrt(var + eps),
+            "eps": eps,
+            "weight": weight,
+        }
+        sums = _call_by_names(_stats.backward_sums, values)
+        sum_dy, sum_dy_xhat = sums()
+        phases["syncbn:backward_sums"] = sums
+        count = x.numel() // x.shape[1]
+        values.update(mean_dy=sum_dy / count, mean_dy_xhat=sum_dy_xhat / count)
+        grad = _call_by_names(_stats.input_grad, values)
+        grad()
+        phases["syncbn:input_grad"] = grad
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+        pass  # keep the steps that ran
+    return phases
 
 
 def blocks_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
@@ -296,6 +313,7 @@ def blocks_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
                 **case,
                 "times_s": {name: t.median for name, t in timings.items()},
                 "best_s": {name: t.best for name, t in timings.items()},
+                "cpu_s": {name: t.cpu for name, t in timings.items()},
             }
         )
     return {"cases": results}
@@ -533,6 +551,7 @@ def model_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str
         "syncbn_collective_bytes": [c.nbytes for c in log],
         "times_s": {name: t.median for name, t in timings.items()},
         "best_s": {name: t.best for name, t in timings.items()},
+        "cpu_s": {name: t.cpu for name, t in timings.items()},
         "iqr_s": {name: t.iqr for name, t in timings.items()},
     }
 

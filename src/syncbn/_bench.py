@@ -187,6 +187,9 @@ class Timing:
         iqr: interquartile range of the per-call times over blocks (maximum over ranks).
         best: per-call time of every rank's fastest block, then the maximum over ranks
             (less sensitive than the median to other load on the machine).
+        cpu: median per-call CPU time of the calling thread (maximum over ranks): the
+            work of the calling thread, without time spent waiting for other ranks, for
+            collectives (gloo waits without spinning) or for the CPU when others use it.
         calls_per_block: calls in each timed block (the same on every rank).
         blocks: number of timed blocks.
     """
@@ -194,6 +197,7 @@ class Timing:
     median: float
     iqr: float
     best: float
+    cpu: float
     calls_per_block: int
     blocks: int
 
@@ -215,15 +219,16 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
-def _time_block(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+def _time_block(fn: Callable[[], object], calls: int, device: torch.device) -> tuple[float, float]:
+    """Wall-clock and calling-thread CPU seconds of ``calls`` calls of ``fn``."""
     gc_enabled = gc.isenabled()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
         synchronize(device)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - start_cpu
     finally:
         if gc_enabled:
             gc.enable()
@@ -278,27 +283,36 @@ def measure(
         count = 1
         while True:
             _barrier(group)
-            (elapsed,) = _max_over_ranks([_time_block(fn, count, device)], group)
+            (elapsed,) = _max_over_ranks([_time_block(fn, count, device)[0]], group)
             if elapsed >= min_block_time or count >= max_calls:
                 break
             wanted = math.ceil(count * 1.2 * min_block_time / max(elapsed, 1e-9))
             count = min(max_calls, max(2 * count, wanted))
         calls[name] = count
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    cpu_samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             _barrier(group)
-            samples[name].append(_time_block(fn, calls[name], device) / calls[name])
+            wall, cpu = _time_block(fn, calls[name], device)
+            samples[name].append(wall / calls[name])
+            cpu_samples[name].append(cpu / calls[name])
     local: list[float] = []
     for name in fns:
         q1, q3 = _quartiles(samples[name])
-        local += [statistics.median(samples[name]), q3 - q1, min(samples[name])]
+        local += [
+            statistics.median(samples[name]),
+            q3 - q1,
+            min(samples[name]),
+            statistics.median(cpu_samples[name]),
+        ]
     merged = _max_over_ranks(local, group)
     return {
         name: Timing(
-            median=merged[3 * i],
-            iqr=merged[3 * i + 1],
-            best=merged[3 * i + 2],
+            median=merged[4 * i],
+            iqr=merged[4 * i + 1],
+            best=merged[4 * i + 2],
+            cpu=merged[4 * i + 3],
             calls_per_block=calls[name],
             blocks=repeats,
         )
