@@ -1,4 +1,4 @@
-"""Train a small CNN with syncbn.SyncBatchNorm under DistributedDataParallel.
+r"""Train a small CNN with syncbn.SyncBatchNorm under DistributedDataParallel.
 
 A torchrun-ready script to copy into your own project. It follows the usual recipe:
 one process per device, ``init_process_group`` from the environment torchrun sets,
@@ -10,10 +10,13 @@ One node, two processes::
 
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py
 
-Two nodes (run on each node; NODE0_ADDR is an address of node 0 that node 1 can reach)::
+Two nodes (the same command on each; NODE0_ADDR is an address of node 0 that node 1
+can reach, THIS_NODE_ADDR the address of the node that runs the command)::
 
-    torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \\
-        --rdzv_endpoint=NODE0_ADDR:29400 --rdzv_id=syncbn-example examples/train_ddp.py
+    torchrun --nnodes=2 --nproc_per_node=2 \
+        --rdzv_backend=c10d --rdzv_endpoint=NODE0_ADDR:29400 --rdzv_id=my-job \
+        --local_addr=THIS_NODE_ADDR \
+        examples/train_ddp.py
 
 See examples/README.md for more (a two-node run simulated on one machine, network
 interfaces, the options).
@@ -208,7 +211,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             loss.backward()
             optimizer.step()
             schedule.step()
-            totals += torch.stack([loss.detach() * len(labels), totals.new_tensor(len(labels))])
+            totals[0] += loss.detach() * len(labels)
+            totals[1] += len(labels)
         dist.all_reduce(totals)  # the loss over all ranks, for the log
         log.info("epoch %d: train loss %.4f", epoch + 1, (totals[0] / totals[1]).item())
 
