@@ -148,24 +148,24 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         layer: LayerInfo,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         local_count = input.numel() // input.shape[1]
-        local_mean, local_var = _stats.local_moments(input)
-        buffer = _stats.pack_forward(local_count, local_mean, local_var, layer.fingerprint)
+        total, square_total = _stats.local_sums(input)
+        buffer = _stats.pack_forward(local_count, total, square_total, layer.fingerprint)
         buffer = reducer.all_reduce(buffer, "forward")
 
         # One small host read serves both checks; on CPU it is free, on accelerators it waits
         # for the collective that the normalization below needs anyway.
-        header, global_count = _stats.read_header(buffer, with_count=True)
+        header = _stats.read_header(buffer)
         _check_header(header, reducer.world_size, layer, "forward")
-        if global_count <= 1:
+        if header.global_count <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got input size "
-                f"{input.size()} here and {global_count} value(s) per channel across all "
+                f"{input.size()} here and {header.global_count} value(s) per channel across all "
                 f"{reducer.world_size} {reducer.participants}"
             )
 
-        moments = _stats.unpack_forward(buffer)
         dtype = _stats.stat_dtype(input.dtype)
-        mean, var = moments.mean.to(dtype), moments.var.to(dtype)
+        global_mean, global_var = _stats.global_moments(buffer, header.global_count)
+        mean, var = global_mean.to(dtype), global_var.to(dtype)
         output = F.batch_norm(
             input,
             mean,
@@ -177,14 +177,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             eps,
         )
         ctx.save_for_backward(input, weight, mean, var)
-        ctx.count = moments.n
+        ctx.set_materialize_grads(False)  # no zero gradients for the statistics outputs
+        ctx.count = header.global_count
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.eps = eps
         ctx.reducer = reducer
         ctx.layer = layer
-        unbiased_var = moments.var * (moments.n / (moments.n - 1))
-        ctx.mark_non_differentiable(moments.mean, unbiased_var)
-        return output, moments.mean, unbiased_var
+        unbiased_var = global_var * (header.global_count / (header.global_count - 1))
+        ctx.mark_non_differentiable(mean, unbiased_var)
+        return output, mean, unbiased_var
 
     @staticmethod
     @once_differentiable
@@ -192,6 +193,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         input, weight, mean, var = ctx.saved_tensors
+        if grad_output is None:  # undefined: still join the collective, with zeros
+            grad_output = torch.zeros_like(input)
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
 
@@ -200,19 +203,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, ctx.layer.fingerprint)
             buffer = ctx.reducer.all_reduce(buffer, "backward")
             if ctx.layer.check_layer_order:
-                header, _count = _stats.read_header(buffer)
-                _check_header(header, ctx.reducer.world_size, ctx.layer, "backward")
-            global_sum_dy, global_sum_dy_xhat = _stats.unpack_backward(buffer)
-            grad_input = _stats.input_grad(
-                grad_output,
-                input,
-                mean,
-                var,
-                ctx.eps,
-                weight,
-                global_sum_dy / ctx.count,
-                global_sum_dy_xhat / ctx.count,
-            )
+                _check_header(
+                    _stats.read_header(buffer), ctx.reducer.world_size, ctx.layer, "backward"
+                )
+            means = _stats.global_means(buffer, ctx.count)
+            grad_input = _stats.input_grad(grad_output, input, mean, var, ctx.eps, weight, means)
         grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None
@@ -230,7 +225,7 @@ def sync_batch_norm_train(
 
     Returns:
         ``(output, mean, unbiased_var)``: the normalized output (differentiable) and the
-        global float64 mean and unbiased variance, for the running statistics.
+        global mean and unbiased variance (statistics dtype), for the running statistics.
     """
     output, mean, unbiased_var = _SyncBatchNormFunction.apply(
         input, weight, bias, eps, reducer, layer

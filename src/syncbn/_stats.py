@@ -35,6 +35,7 @@ share, so its sum is not ``world_size * f``.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import NamedTuple
 
@@ -42,19 +43,18 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "GlobalMoments",
     "Header",
     "backward_sums",
     "fingerprint",
     "forward_size",
     "input_grad",
-    "local_moments",
+    "global_means",
+    "global_moments",
+    "local_sums",
     "pack_backward",
     "pack_forward",
     "read_header",
     "stat_dtype",
-    "unpack_backward",
-    "unpack_forward",
 ]
 
 _HEADER_SIZE = 3  # error, fingerprint, fingerprint**2
@@ -68,20 +68,13 @@ def forward_size(num_features: int) -> int:
 
 
 class Header(NamedTuple):
-    """Header of an all-reduced buffer, read back on the host."""
+    """Header, trailer and count slots of an all-reduced buffer, read back on the host."""
 
     errors: int
     fingerprint_sum: float
     fingerprint_square_sum: float
     trailer_sum: float
-
-
-class GlobalMoments(NamedTuple):
-    """Global statistics of one channel-wise batch, as float64 tensors of shape ``(C,)``."""
-
-    n: torch.Tensor
-    mean: torch.Tensor
-    var: torch.Tensor
+    global_count: int  # forward buffers only: the global count per channel
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -102,82 +95,95 @@ def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     return vector.view([1, -1] + [1] * (ndim - 2))
 
 
-def local_moments(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Biased per-channel mean and variance of a local batch, in float64.
+@functools.lru_cache(maxsize=64)
+def _zero_mean_unit_var(
+    num_channels: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Constant statistics (mean 0, variance 1) that turn batch-norm kernels into plain sums."""
+    zeros = torch.zeros(num_channels, dtype=dtype, device=device)
+    return zeros, zeros + 1
 
-    The data are shifted by their first sample in each channel before summing, so
-    that float32 accumulation does not cancel for inputs whose mean is large
-    compared with their spread. The sum and the sum of squares of the shifted data
-    come from one fused pass of ``native_batch_norm_backward`` (eval mode, with
-    the shifted data as both gradient and input, mean 0, variance 1 and eps 0).
-    An empty batch gives zeros (it contributes nothing once weighted by its count
-    of 0).
+
+def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum and sum of squares of a local batch, in float64.
+
+    The data are first shifted by their first sample in each channel, so that the
+    float32 accumulation sums small numbers and does not cancel for inputs whose
+    mean is large compared with their spread; the shift is added back exactly in
+    float64. The sum and the sum of squares of the shifted data come from one fused
+    pass of ``native_batch_norm_backward`` (eval mode, the shifted data as both
+    gradient and input, mean 0, variance 1, eps 0). An empty batch gives zeros.
 
     Args:
         input: tensor of shape ``(N, C, *)``.
 
     Returns:
-        ``(mean, var)``, two float64 tensors of shape ``(C,)``.
+        ``(sum, sum_of_squares)``, two float64 tensors of shape ``(C,)``.
     """
     num_channels = input.shape[1]
     if input.numel() == 0:
         zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
         return zeros, zeros.clone()
     count = input.numel() // num_channels
+    dtype = stat_dtype(input.dtype)
     first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
-    shift = input.detach()[first_sample].to(stat_dtype(input.dtype))
+    shift = input.detach()[first_sample].to(dtype)
     centered = input.detach() - _channel_view(shift, input.dim())
-    zeros = torch.zeros_like(shift)
-    _, square_sum, total = torch.ops.aten.native_batch_norm_backward(
-        centered, centered, None, zeros, zeros + 1, None, None, False, 0.0, [False, True, True]
+    zeros, ones = _zero_mean_unit_var(num_channels, dtype, input.device)
+    _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
+        centered, centered, None, zeros, ones, None, None, False, 0.0, [False, True, True]
     )
-    shifted_mean = total.to(_PACK_DTYPE) / count
-    var = (square_sum.to(_PACK_DTYPE) / count - shifted_mean.square()).clamp_(min=0)
-    return shift.to(_PACK_DTYPE) + shifted_mean, var
-
-
-def _pack(header: list[float], vectors: list[torch.Tensor], trailer: float) -> torch.Tensor:
-    device = vectors[0].device
-    ends = torch.tensor([*header, trailer], dtype=_PACK_DTYPE).to(device, non_blocking=True)
-    return torch.cat([ends[:-1], *(v.to(_PACK_DTYPE) for v in vectors), ends[-1:]])
+    shift, shifted_sum, shifted_square_sum = (
+        torch.stack([shift, shifted_sum, shifted_square_sum]).to(_PACK_DTYPE).unbind()
+    )
+    total = torch.add(shifted_sum, shift, alpha=count)  # sum(x) = sum(x - k) + n k
+    # sum(x**2) = sum((x - k)**2) + k (2 sum(x - k) + n k) = ... + k (sum(x - k) + sum(x))
+    square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
+    return total, square_total
 
 
 def pack_forward(
-    count: int, mean: torch.Tensor, var: torch.Tensor, fingerprint: int, error: bool = False
+    count: int,
+    total: torch.Tensor,
+    square_total: torch.Tensor,
+    fingerprint: int,
+    error: bool = False,
 ) -> torch.Tensor:
     """Pack one rank's forward contribution into a float64 buffer of ``forward_size(C)``.
 
-    Layout: ``[error, f, f**2, n, n * mean (C), n * (var + mean**2) (C), f]``.
+    Layout: ``[error, f, f**2, n, sum(x) (C), sum(x**2) (C), f]``; the sums per
+    channel equal ``n * mean`` and ``n * (var + mean**2)``.
     """
     f = float(fingerprint)
-    sums = [count * mean, count * (var + mean.square())]
-    return _pack([float(error), f, f * f, float(count)], sums, f)
+    ends = torch.tensor(
+        [float(error), f, f * f, float(count), f], dtype=_PACK_DTYPE, device=total.device
+    )
+    return torch.cat([ends[:4], total, square_total, ends[4:]])
 
 
-def unpack_forward(buffer: torch.Tensor) -> GlobalMoments:
-    """Global count, mean and biased variance from an all-reduced forward buffer.
+@functools.lru_cache(maxsize=256)
+def _header_slots(length: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, 1, 2, length - 1, _COUNT_SLOT], device=device)
 
-    The divisor is clamped to at least 1 so that an empty global batch gives zeros
-    rather than NaN; the returned count is the true one.
+
+def read_header(buffer: torch.Tensor) -> Header:
+    """Copy an all-reduced buffer's header, trailer and count slot to the host (one read)."""
+    values = buffer.index_select(0, _header_slots(buffer.numel(), buffer.device)).tolist()
+    return Header(int(values[0]), values[1], values[2], values[3], int(values[4]))
+
+
+def global_moments(buffer: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean and biased variance (float64, shape ``(C,)``) from a forward buffer.
+
+    Args:
+        buffer: the all-reduced forward buffer.
+        count: the global count per channel, from :func:`read_header`.
     """
-    sums = buffer[_COUNT_SLOT + 1 : -1]
-    num_channels = sums.numel() // 2
-    count = buffer[_COUNT_SLOT]
-    mean = sums[:num_channels] / count.clamp(min=1)
-    var = (sums[num_channels:] / count.clamp(min=1) - mean.square()).clamp_(min=0)
-    return GlobalMoments(count, mean, var)
-
-
-def read_header(buffer: torch.Tensor, with_count: bool = False) -> tuple[Header, int]:
-    """Copy an all-reduced buffer's header and trailer (and forward count) to the host.
-
-    Returns:
-        The header and the global count per channel (``-1`` unless ``with_count``).
-    """
-    slots = [0, 1, 2, buffer.numel() - 1] + ([_COUNT_SLOT] if with_count else [])
-    values = buffer[slots].tolist()
-    header = Header(int(values[0]), values[1], values[2], values[3])
-    return header, int(values[4]) if with_count else -1
+    total, square_total = buffer[_COUNT_SLOT + 1 : -1].view(2, -1).unbind()
+    divisor = max(count, 1)  # an empty global batch gives zeros, not NaN
+    mean = total / divisor
+    var = torch.addcmul(square_total / divisor, mean, mean, value=-1).clamp_(min=0)
+    return mean, var
 
 
 def pack_backward(
@@ -185,14 +191,13 @@ def pack_backward(
 ) -> torch.Tensor:
     """Pack one rank's backward sums: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C), f]``."""
     f = float(fingerprint)
-    return _pack([0.0, f, f * f], [sum_dy, sum_dy_xhat], f)
+    ends = torch.tensor([0.0, f, f * f, f], dtype=_PACK_DTYPE, device=sum_dy.device)
+    return torch.cat([ends[:3], sum_dy, sum_dy_xhat, ends[3:]])
 
 
-def unpack_backward(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ``sum(dy)`` and ``sum(dy * xhat)`` from an all-reduced backward buffer."""
-    sums = buffer[_HEADER_SIZE:-1]
-    num_channels = sums.numel() // 2
-    return sums[:num_channels], sums[num_channels:]
+def global_means(buffer: torch.Tensor, count: int) -> torch.Tensor:
+    """Global ``mean(dy)`` and ``mean(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
+    return buffer[_HEADER_SIZE:-1].view(2, -1) / count
 
 
 def backward_sums(
@@ -228,8 +233,7 @@ def input_grad(
     var: torch.Tensor,
     eps: float,
     weight: torch.Tensor | None,
-    mean_dy: torch.Tensor,
-    mean_dy_xhat: torch.Tensor,
+    means: torch.Tensor,
 ) -> torch.Tensor:
     r"""Input gradient of batch normalization given the *global* reductions.
 
@@ -241,18 +245,13 @@ def input_grad(
     :math:`-\gamma\sigma^{-1}\overline{dy\,\hat{x}}` and bias
     :math:`-\gamma\sigma^{-1}\overline{dy}` gives the last two terms, and one
     ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
+
+    Args:
+        means: ``(2, C)``: the global ``mean(dy)`` and ``mean(dy * xhat)``.
     """
     scale = torch.rsqrt(var + eps)
     if weight is not None:
         scale = scale * weight.to(scale.dtype)
-    correction = F.batch_norm(
-        input,
-        mean,
-        var,
-        -scale * mean_dy_xhat.to(scale.dtype),
-        -scale * mean_dy.to(scale.dtype),
-        False,
-        0.0,
-        eps,
-    )
+    bias, weight_correction = (means.to(scale.dtype) * scale).neg_().unbind()
+    correction = F.batch_norm(input, mean, var, weight_correction, bias, False, 0.0, eps)
     return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))

@@ -25,9 +25,8 @@ def _moment_collecting_forward(
     """A forward for ``layer`` that records its input's moments and normalizes it locally."""
 
     def forward(input: torch.Tensor) -> torch.Tensor:
-        mean, var = _stats.local_moments(input)
         count = input.numel() // input.shape[1]
-        packed = _stats.pack_forward(count, mean, var, fingerprint=0)
+        packed = _stats.pack_forward(count, *_stats.local_sums(input), fingerprint=0)
         sums[id(layer)] = packed if id(layer) not in sums else sums[id(layer)] + packed
         # normalize with this batch's own statistics, as in training, without communicating
         return F.batch_norm(input, None, None, layer.weight, layer.bias, True, 0.0, layer.eps)
@@ -111,8 +110,7 @@ def recompute_statistics(
         distributed.all_reduce_sum_(buffer, process_group)
 
     for layer, layer_buffer in zip(layers, buffer.split([p.numel() for p in packed])):
-        moments = _stats.unpack_forward(layer_buffer)
-        count = int(moments.n.item())
+        count = _stats.read_header(layer_buffer).global_count
         if count < 2:
             warnings.warn(
                 f"recompute_statistics kept the running statistics of {type(layer).__name__}"
@@ -120,6 +118,6 @@ def recompute_statistics(
                 stacklevel=2,
             )
             continue
-        unbiased_var = moments.var * (count / (count - 1))
-        layer.running_mean.copy_(moments.mean)  # type: ignore[union-attr]
-        layer.running_var.copy_(unbiased_var)  # type: ignore[union-attr]
+        mean, var = _stats.global_moments(layer_buffer, count)
+        layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+        layer.running_var.copy_(var * (count / (count - 1)))  # type: ignore[union-attr]
