@@ -74,6 +74,15 @@ class DemoConfig:
     fail_rank: int | None = None
     fail_step: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("nproc", "batch_per_proc", "steps", "evaluations"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
+        if self.dtype not in ("float64", "float32"):
+            raise ValueError(f"dtype must be 'float64' or 'float32', got '{self.dtype}'")
+
     @property
     def global_batch(self) -> int:
         return self.nproc * self.batch_per_proc
@@ -226,17 +235,20 @@ def _check_environment(device: str, nproc: int) -> None:
             )
 
 
-def _prepare_out(out: str) -> str:
+def _check_out(out: str) -> str:
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise _usage_error(f"argument --out: '{out}' exists and is not a directory")
+    return out
+
+
+def _make_out(out: str) -> None:
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as error:
         raise _usage_error(f"argument --out: cannot create '{out}': {error}") from None
     if not os.access(out, os.W_OK):
         raise _usage_error(f"argument --out: '{out}' is not writable")
-    return out
 
 
 def load_data(seed: int) -> DemoData:
@@ -383,7 +395,7 @@ def run_demo(
     from syncbn._demo_plot import save_plot
 
     _check_environment(config.device, config.nproc)
-    out = _prepare_out(out)
+    out = _check_out(out)
     data = load_data(config.seed)
     if config.global_batch > len(data.train_y):
         raise _usage_error(
@@ -391,6 +403,7 @@ def run_demo(
             f"{config.nproc} x {config.batch_per_proc} = {config.global_batch} is larger than "
             f"the {len(data.train_y)} training images"
         )
+    _make_out(out)
     with tempfile.TemporaryDirectory(prefix="syncbn-demo-") as workdir:
         with _sigterm_as_interrupt():
             _launch(config, data, workdir, on_start)

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -125,6 +126,9 @@ def _train(
     if report:
         from tqdm import tqdm
 
+        # One writer per process: a thread lock, not tqdm's default multiprocessing lock,
+        # whose semaphore would be reported as leaked when the parent stops this rank.
+        tqdm.set_lock(threading.RLock())
         # disable=None: a bar on a terminal, nothing in logs and pipes
         progress = tqdm(total=config.steps, desc=config.label(run), unit="step", disable=None)
     curve: dict[str, list[float]] = {"step": [], "train_loss": [], "test_accuracy": []}

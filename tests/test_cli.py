@@ -1,0 +1,167 @@
+"""The ``syncbn`` command line: parsing, errors and dispatch (in-process and fast)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+import syncbn
+from syncbn import cli
+
+
+def _fake_bench(run_result: int | Exception) -> types.ModuleType:
+    """A stand-in for syncbn._bench with the subcommand interface, recording its calls."""
+    module = types.ModuleType("syncbn._bench")
+    module.calls = []  # type: ignore[attr-defined]
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--repeat", type=int, default=1)
+
+    def run(args: argparse.Namespace) -> int:
+        module.calls.append(args)  # type: ignore[attr-defined]
+        if isinstance(run_result, Exception):
+            raise run_result
+        return run_result
+
+    module.add_arguments = add_arguments  # type: ignore[attr-defined]
+    module.run = run  # type: ignore[attr-defined]
+    return module
+
+
+def test_console_script_points_to_main() -> None:
+    scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
+    assert scripts.get("syncbn") == "syncbn.cli:main"
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: syncbn")
+    assert "demo" in out and "bench" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"syncbn {syncbn.__version__}"
+
+
+def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "the following arguments are required: command" in capsys.readouterr().err
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train"]) == 2
+    assert "invalid choice: 'train'" in capsys.readouterr().err
+
+
+def test_demo_help_shows_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--nproc", "--batch-per-proc", "--steps", "--seed", "--out", "--device"):
+        assert option in out
+    assert "--dtype" in out and "(default: float64)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "0"], "argument --nproc: expected a positive integer, got 0"),
+        (["--nproc", "two"], "argument --nproc: expected a positive integer, got 'two'"),
+        (["--batch-per-proc", "0"], "argument --batch-per-proc: expected a positive integer"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+        (["--steps", "-5"], "argument --steps: expected a positive integer, got -5"),
+        (["--seed", "-1"], "argument --seed: expected an integer in [0, 2**32), got -1"),
+        (["--lr", "0"], "argument --lr: expected a positive finite number, got 0"),
+        (["--lr", "nan"], "argument --lr: expected a positive finite number, got nan"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_demo_rejects_bad_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: syncbn")
+    assert message in err
+
+
+def test_demo_rejects_a_global_batch_larger_than_the_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["demo", "--nproc", "3", "--batch-per-proc", "500", "--out", str(out)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: syncbn demo" in err
+    assert "3 x 500 = 1500 is larger than the 1437 training images" in err
+    assert not out.exists()  # nothing created for a run that cannot start
+
+
+def test_demo_rejects_an_out_that_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "file.txt"
+    out.write_text("not a folder")
+    assert cli.main(["demo", "--out", str(out)]) == 2
+    assert "argument --out:" in capsys.readouterr().err
+    assert out.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_demo_cuda_without_cuda_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["demo", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "argument --device: cuda requested but CUDA is not available" in err
+
+
+def test_bench_is_dispatched_to_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_bench(run_result=7)
+    monkeypatch.setitem(sys.modules, "syncbn._bench", fake)
+    assert cli.main(["bench", "--repeat", "3"]) == 7
+    (args,) = fake.calls  # type: ignore[attr-defined]
+    assert args.command == "bench" and args.repeat == 3
+
+
+def test_argument_error_from_run_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = _fake_bench(argparse.ArgumentError(None, "argument --repeat: too many for 2 ranks"))
+    monkeypatch.setitem(sys.modules, "syncbn._bench", fake)
+    assert cli.main(["bench", "--repeat", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: syncbn bench" in err
+    assert "syncbn bench: error: argument --repeat: too many for 2 ranks" in err
+
+
+def test_missing_command_module_leaves_the_others_working(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "syncbn._bench", None)  # import raises ModuleNotFoundError
+    assert cli.main(["--help"]) == 0
+    assert "not available" in capsys.readouterr().out
+    assert cli.main(["bench"]) == 1
+    assert "syncbn bench: error: this command is not available" in capsys.readouterr().err
+    assert cli.main(["demo", "--nproc", "0"]) == 2
+
+
+def test_python_dash_m_syncbn() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "syncbn", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: syncbn demo")

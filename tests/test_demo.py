@@ -1,0 +1,177 @@
+"""``syncbn demo`` end to end with tiny settings, and its shutdown on failure and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from PIL import Image
+
+from syncbn import cli
+from syncbn._demo import PLOT_FILE, RESULTS_FILE, DemoConfig, DemoError, run_demo
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _rank_processes(parent: int) -> list[int]:
+    """The spawned (multiprocessing) children of ``parent``, without its resource tracker."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                ppid = int(file.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                cmdline = file.read()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def _wait_until(condition: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting until {what}")
+        time.sleep(0.1)
+
+
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    argv = ["demo", "--nproc", "2", "--batch-per-proc", "2", "--steps", "16", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+
+    results = json.loads((out / RESULTS_FILE).read_text())
+    runs = results["runs"]
+    assert list(runs) == ["plain_ddp", "syncbn_ddp", "single_process"]
+    sync, plain, single = runs["syncbn_ddp"], runs["plain_ddp"], runs["single_process"]
+    # (b) SyncBatchNorm under DDP equals (c) one process on the global batch (float64) ...
+    sync_diff = sync["max_abs_diff_vs_single_process"]
+    assert max(sync_diff["parameters"], sync_diff["buffers"]) < 1e-10
+    assert sync["curve"]["step"] == single["curve"]["step"]
+    assert sync["curve"]["train_loss"] == pytest.approx(single["curve"]["train_loss"], rel=1e-10)
+    assert sync["curve"]["test_accuracy"] == single["curve"]["test_accuracy"]
+    # ... and plain BatchNorm with per-rank statistics does not.
+    plain_diff = plain["max_abs_diff_vs_single_process"]
+    assert plain_diff["parameters"] > 1e-3 and plain_diff["buffers"] > 1e-3
+    assert plain["curve"]["train_loss"] != pytest.approx(single["curve"]["train_loss"], rel=1e-3)
+    assert results["config"]["steps"] == 16 and results["global_batch"] == 4
+
+    for record in runs.values():
+        assert record["label"] in printed
+        assert f"{100 * record['test_accuracy']:.1f} %" in printed
+    assert f"{max(plain_diff.values()):.1e}" in printed
+
+    png = (out / PLOT_FILE).read_bytes()
+    assert png.startswith(PNG_SIGNATURE)
+    with Image.open(out / PLOT_FILE) as image:
+        image.verify()
+    pixels = matplotlib.image.imread(out / PLOT_FILE)
+    assert pixels.ndim == 3 and pixels.shape[0] > 300 and pixels.shape[1] > 600
+    assert pixels.std() > 0.05  # not a blank canvas
+
+
+def test_failure_in_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    started: list[int] = []
+    config = DemoConfig(nproc=2, batch_per_proc=2, steps=10_000, fail_rank=1, fail_step=3)
+    with pytest.raises(DemoError, match=r"rank 1 failed \(RuntimeError: injected failure") as info:
+        run_demo(config, str(tmp_path), on_start=started.extend)
+    assert info.value.exit_code == 1
+    assert len(started) == 2
+    assert not [pid for pid in started if _alive(pid)]
+    assert not [p for p in multiprocessing.active_children() if p.pid in started]
+    assert not (tmp_path / RESULTS_FILE).exists()
+
+
+def _read_until(fd: int, output: bytearray, done: object, timeout: float, what: str) -> None:
+    """Append what ``fd`` yields to ``output`` until ``done(output)``, EOF or the timeout."""
+    deadline = time.monotonic() + timeout
+    while not done(output):  # type: ignore[operator]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; got {bytes(output)!r}")
+        if select.select([fd], [], [], min(remaining, 0.5))[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                chunk = b""
+            if not chunk:
+                return
+            output += chunk
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses a pty and reads /proc")
+def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) to the parent process only: the parent must stop the ranks itself.
+
+    (A terminal's Ctrl-C also signals the ranks, which then exit on their own; signalling
+    only the parent checks that it does not rely on that.) stderr is a terminal (a pty),
+    so rank 0 shows its progress bar; the signal is sent once the bar of run (a) shows
+    that training has started.
+    """
+    import fcntl
+    import pty
+    import termios
+
+    controller, terminal = pty.openpty()
+    # a terminal 120 columns wide (a new pty has 0, and tqdm then draws an empty bar)
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "syncbn", "demo", "--steps", "1000000", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        start_new_session=True,  # its own process group, so that cleanup can kill it whole
+    )
+    os.close(terminal)
+    err = bytearray()
+    try:
+        _read_until(
+            controller,
+            err,
+            lambda text: (
+                b"(a) BatchNorm, DDP 2 ranks x 2:" in text and re.search(rb"\d+/1000000", text)
+            ),
+            70,
+            "the progress bar of run (a)",
+        )
+        ranks = _rank_processes(process.pid)
+        assert len(ranks) == 2
+        os.kill(process.pid, signal.SIGINT)
+        _read_until(controller, err, lambda text: False, 25, "the end of the output")
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        os.close(controller)
+        if process.stdout is not None:
+            process.stdout.close()
+    text = err.decode(errors="replace")
+    assert process.returncode == 130, text
+    assert "syncbn demo: error: interrupted" in text
+    assert "Traceback" not in text and "leaked" not in text, text
+    _wait_until(lambda: not [pid for pid in ranks if _alive(pid)], 10, "every rank is gone")
