@@ -25,13 +25,24 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["RUNS", "DemoConfig", "DemoData", "DemoError", "add_arguments", "run", "run_demo"]
+__all__ = [
+    "RUNS",
+    "DemoConfig",
+    "DemoData",
+    "DemoError",
+    "add_arguments",
+    "format_table",
+    "load_data",
+    "run",
+    "run_demo",
+]
 
 #: Keys of the three runs, in the order they are trained.
 RUNS = ("plain_ddp", "syncbn_ddp", "single_process")
@@ -95,9 +106,10 @@ class DemoConfig:
     def label(self, run: str) -> str:
         """The run's name in the table and the plot."""
         n, b = self.nproc, self.batch_per_proc
+        ranks = f"{n} rank{'s' if n > 1 else ''}"
         return {
-            "plain_ddp": f"(a) BatchNorm, DDP {n} ranks x {b}",
-            "syncbn_ddp": f"(b) syncbn.SyncBatchNorm, DDP {n} ranks x {b}",
+            "plain_ddp": f"(a) BatchNorm, DDP {ranks} x {b}",
+            "syncbn_ddp": f"(b) syncbn.SyncBatchNorm, DDP {ranks} x {b}",
             "single_process": f"(c) BatchNorm, 1 process x {n * b}",
         }[run]
 
@@ -286,8 +298,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop(processes: Sequence[Any]) -> int:
-    """Terminate, then kill, every process still alive; return how many were stopped."""
+def _stop(processes: Sequence[Any]) -> None:
+    """Terminate, then kill, every process still alive, and reap them all."""
     alive = [process for process in processes if process.is_alive()]
     for process in alive:
         process.terminate()
@@ -297,7 +309,6 @@ def _stop(processes: Sequence[Any]) -> int:
         if process.is_alive():
             process.kill()
             process.join(timeout=5.0)
-    return len(alive)
 
 
 def _first_failure(workdir: str, nproc: int) -> dict[str, Any] | None:
@@ -349,10 +360,8 @@ def _launch(
         while not context.join():
             pass
     except KeyboardInterrupt:
-        stopped = _stop(processes)
-        raise DemoError(
-            f"interrupted; stopped {stopped} running rank processes", EXIT_INTERRUPTED
-        ) from None
+        _stop(processes)
+        raise DemoError("interrupted; every rank process is stopped", EXIT_INTERRUPTED) from None
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         _stop(processes)
         failure = _first_failure(workdir, config.nproc)
@@ -447,12 +456,13 @@ def format_table(results: dict[str, Any]) -> str:
     window = steps[-1] - (steps[-2] if len(steps) > 1 else 0)
     notes = [
         f"{results['train_size']} training / {results['test_size']} test images, "
-        f"{config['steps']} steps, global batch {results['global_batch']}, {config['dtype']}, "
+        f"{config['steps']} steps, global batch {results['global_batch']} "
+        f"({config['nproc']} x {config['batch_per_proc']}), {config['dtype']}, "
         f"seed {config['seed']}.",
-        f"train loss: mean over the global batches of the last {window} steps; test acc: "
-        "final model in eval mode;",
-        "train time: the optimizer steps, on rank 0; max |diff| vs (c): largest difference of "
-        "any parameter or running statistic from run (c) after the last step.",
+        f"train loss: mean over the global batches of the last {window} steps (training mode).",
+        "test acc: the final model in eval mode (running statistics).",
+        "train time: the optimizer steps, on rank 0.",
+        "max |diff| vs (c): largest difference of any parameter or running statistic from (c).",
     ]
     return "\n".join([line(header), rule, *(line(row) for row in rows), "", *notes])
 
@@ -473,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
+    start = time.monotonic()
     try:
         results = run_demo(config, args.out)
     except DemoError as error:
@@ -480,5 +491,8 @@ def run(args: argparse.Namespace) -> int:
         return error.exit_code
     out = os.path.abspath(args.out)
     print(format_table(results))
-    print(f"\nwrote {os.path.join(out, PLOT_FILE)} and {os.path.join(out, RESULTS_FILE)}")
+    print(
+        f"\nwrote {os.path.join(out, PLOT_FILE)} and {os.path.join(out, RESULTS_FILE)} "
+        f"({time.monotonic() - start:.0f} s in all)"
+    )
     return 0

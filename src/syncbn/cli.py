@@ -18,7 +18,9 @@ is imported only when the parser is built, and which provides two functions:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -116,4 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("syncbn: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of stdout went away (e.g. `syncbn demo | head`): no traceback, and no
+        # second error when Python flushes stdout at exit
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return EXIT_USAGE  # not reached: error() exits
