@@ -144,6 +144,12 @@ def derive_layer(case: dict[str, Any]) -> dict[str, Any]:
         },
         "layer_order_check_s": t["syncbn.forward_backward"]
         - t["syncbn_unchecked.forward_backward"],
+        "layer_order_check_cpu_s": (
+            case["cpu_s"]["syncbn.forward_backward"]
+            - case["cpu_s"]["syncbn_unchecked.forward_backward"]
+            if case.get("cpu_s")
+            else None
+        ),
         "noise_iqr_s": case.get("iqr_s", {}).get("syncbn.forward_backward"),
     }
     if "torch_syncbn.forward_backward" in t:
@@ -429,7 +435,9 @@ def render_markdown(results: dict[str, Any], derived: dict[str, Any]) -> str:
         f"{machine['memory_gib']} GiB, {machine['platform']}"
         + (f", GPU {machine['cuda']}" if machine.get("cuda") else ""),
         f"- Software: Python {machine['python']}, torch {machine['torch']}, "
-        f"syncbn {machine['syncbn']}" + (f" (git {results['git']})" if results.get("git") else ""),
+        f"syncbn {machine['syncbn']}"
+        + (f" (git {results['git']})" if results.get("git") else "")
+        + (f", imported from `{results['syncbn_path']}`" if results.get("syncbn_path") else ""),
         f"- Ranks: {settings['world_size']} {settings['backend']} ranks on {settings['device']}, "
         "spawned by torch.multiprocessing, `file://` rendezvous, "
         "`torch.set_num_threads(1)` per rank",
@@ -590,7 +598,8 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
         "Copy bandwidth (both ranks copying at once), collective latency, and the cost of "
         "`check_layer_order` (SyncBN forward+backward with `check_layer_order=True` minus "
         "`False`: on CPU the check is a small host read of the all-reduced header and a "
-        "comparison; negative values are noise). Noise = interquartile range of SyncBN's "
+        "comparison; negative values are noise), in wall-clock time and in main-thread CPU "
+        "time (which waiting does not disturb). Noise = interquartile range of SyncBN's "
         "forward+backward blocks.",
         "",
         *_table(
@@ -599,6 +608,7 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
                 "copy GB/s",
                 "all_reduce fwd+bwd us",
                 "layer-order check us",
+                "layer-order check CPU us",
                 "noise (IQR) us",
             ],
             [
@@ -608,6 +618,7 @@ def _layers_section(results: dict[str, Any], derived: dict[str, Any]) -> list[st
                     _us(row["latency_s"]),
                     _us(row["layer_order_check_s"])
                     + (" (within noise)" if _within_noise(row) else ""),
+                    _us(row["layer_order_check_cpu_s"]),
                     _us(row["noise_iqr_s"]),
                 ]
                 for row in derived["layers"]

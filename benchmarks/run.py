@@ -131,7 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         default=HERE,
         help="where results[-quick].md/.json go (default: benchmarks/)",
     )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: re-derive and rewrite the markdown next to an existing results "
+        "JSON (after changing report.py)",
+    )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+        derived = report.derive(results)
+        results["derived"] = derived
+        args.render.write_text(json.dumps(results, indent=1) + "\n")
+        markdown = args.render.with_suffix(".md")
+        markdown.write_text(report.render_markdown(results, derived))
+        _log(f"rewrote {markdown} from {args.render}")
+        return 0
     settings = _settings(args)
     started = time.perf_counter()
     results: dict[str, Any] = {

@@ -64,7 +64,8 @@ def test_bench_writes_sane_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert record["machine"]["torch"] == torch.__version__
     assert [tuple(row["shape"]) for row in record["results"]] == shapes
     for row in record["results"]:
-        for key in ("batchnorm_s", "syncbn_s", "all_reduce_forward_s", "all_reduce_backward_s"):
+        timed = ("batchnorm_s", "syncbn_s", "all_reduce_forward_s", "all_reduce_backward_s")
+        for key in (*timed, "batchnorm_cpu_s", "syncbn_cpu_s"):
             assert math.isfinite(row[key]) and row[key] > 0, key
         latency = row["all_reduce_forward_s"] + row["all_reduce_backward_s"]
         assert row["syncbn_compute_s"] == pytest.approx(row["syncbn_s"] - latency)

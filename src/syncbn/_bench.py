@@ -56,21 +56,22 @@ __all__ = [
 #: Shapes of the quick subset run by ``syncbn bench``.
 DEFAULT_SHAPES = ((2, 64, 56, 56), (8, 256, 14, 14), (16, 1024))
 
-# The collectives that count_collectives records, and the position of the tensor each one sends.
-_COLLECTIVE_INPUT = {
-    "all_reduce": 0,
-    "all_reduce_coalesced": 0,
-    "all_gather": 1,
-    "all_gather_into_tensor": 1,
-    "all_to_all": 1,
-    "all_to_all_single": 1,
+# The collectives that count_collectives records, and the position and keyword of the
+# tensor (or list of tensors) each one sends.
+_COLLECTIVE_INPUT: dict[str, tuple[int, str] | None] = {
+    "all_reduce": (0, "tensor"),
+    "all_reduce_coalesced": (0, "tensors"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "all_to_all": (1, "input_tensor_list"),
+    "all_to_all_single": (1, "input"),
     "barrier": None,
-    "broadcast": 0,
-    "gather": 0,
-    "reduce": 0,
-    "reduce_scatter": 1,
-    "reduce_scatter_tensor": 1,
-    "scatter": 1,
+    "broadcast": (0, "tensor"),
+    "gather": (0, "tensor"),
+    "reduce": (0, "tensor"),
+    "reduce_scatter": (1, "input_list"),
+    "reduce_scatter_tensor": (1, "input"),
+    "scatter": (1, "scatter_list"),
 }
 
 
@@ -332,10 +333,11 @@ class Collective:
 
 
 def _sent_bytes(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
-    position = _COLLECTIVE_INPUT.get(name)
-    if position is None:
+    sent = _COLLECTIVE_INPUT.get(name)
+    if sent is None:
         return 0
-    value = args[position] if len(args) > position else next(iter(kwargs.values()), None)
+    position, keyword = sent
+    value = args[position] if len(args) > position else kwargs.get(keyword)
     tensors = value if isinstance(value, (list, tuple)) else [value]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -610,6 +612,8 @@ def _bench_rank(
                 "all_reduce_backward_s": timings["all_reduce_backward"].median,
                 "syncbn_compute_s": compute,
                 "compute_vs_batchnorm": compute / timings["batchnorm"].median,
+                "batchnorm_cpu_s": timings["batchnorm"].cpu,
+                "syncbn_cpu_s": timings["syncbn"].cpu,
                 "collectives_forward": len(forward_log),
                 "collectives_backward": len(backward_log),
                 "bytes_forward": sum(c.nbytes for c in forward_log),
