@@ -36,14 +36,14 @@ TARGETS = {
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collectives", ("allreduce", "all_reduce", "gloo", "nccl", "barrier", "c10d")),
     ("host reads", ("aten::item", "aten::_local_scalar_dense")),
+    ("native_batch_norm_backward", ("aten::native_batch_norm_backward",)),
     (
-        "normalize (batch_norm kernel)",
+        "batch_norm forward kernel",
         ("aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "legit"),
     ),
-    ("backward reductions (native_batch_norm_backward)", ("aten::native_batch_norm_backward",)),
-    ("input gradient (addcmul)", ("aten::addcmul",)),
+    ("addcmul", ("aten::addcmul",)),
     (
-        "forward statistics (sub/square/sum)",
+        "sub/square/sum",
         ("aten::sub", "aten::square", "aten::pow", "aten::sum"),
     ),
     ("dtype conversions / copies", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone")),
@@ -870,7 +870,9 @@ def _profile_section(results: dict[str, Any], derived: dict[str, Any]) -> list[s
         out += [
             f"torch.profiler (CPU self time per forward+backward call on rank 0, mean of "
             f"{profiles['iterations']} calls; the profiler adds a few us per op, so totals "
-            "exceed the timed medians), summed by category. `collectives` includes the wait "
+            "exceed the timed medians), summed by category. *aten calls* = operator calls "
+            "per layer call, nested ones included (each costs a few us of dispatch on CPU, "
+            "whatever the tensor size). `collectives` includes the wait "
             "for the other rank. `BN kernels` = BatchNorm's own native_batch_norm + "
             "native_batch_norm_backward self time for the same case.",
             "",
@@ -885,6 +887,8 @@ def _profile_section(results: dict[str, Any], derived: dict[str, Any]) -> list[s
             rows.append(
                 [
                     _case_label(case),
+                    f"{_aten_calls(bn_ops):g}",
+                    f"{_aten_calls(sync['ops']):g}",
                     f"{case['profiles']['batchnorm']['total_self_us']:.0f}",
                     f"{bn_kernels:.0f}",
                     f"{sync['total_self_us']:.0f}",
@@ -893,7 +897,15 @@ def _profile_section(results: dict[str, Any], derived: dict[str, Any]) -> list[s
             )
         out += [
             *_table(
-                ["case", "BN total us", "BN kernels us", "SyncBN total us", *labels],
+                [
+                    "case",
+                    "BN aten calls",
+                    "SyncBN aten calls",
+                    "BN total us",
+                    "BN kernels us",
+                    "SyncBN total us",
+                    *labels,
+                ],
                 rows,
             ),
             "",
@@ -925,6 +937,10 @@ def _profile_section(results: dict[str, Any], derived: dict[str, Any]) -> list[s
             "",
         ]
     return out
+
+
+def _aten_calls(ops: list[dict[str, Any]]) -> float:
+    return sum(op["calls"] for op in ops if op["name"].startswith("aten::"))
 
 
 #: SyncBatchNorm's large-tensor steps, as timed by suite._syncbn_phases.

@@ -317,3 +317,22 @@ def test_suite_cases_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
     batchnorms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert len(batchnorms) >= 10
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_categorize_profile_ops() -> None:
+    report = _load("report")
+    ops = [
+        {"name": "aten::native_batch_norm_backward", "self_us": 5.0},
+        {"name": "aten::native_batch_norm", "self_us": 3.0},
+        {"name": "dist.all_reduce (call and wait)", "self_us": 7.0},
+        {"name": "c10d::allreduce_", "self_us": 1.0},
+        {"name": "aten::sum", "self_us": 2.0},
+        {"name": "_SyncBatchNormFunction", "self_us": 4.0},
+    ]
+    totals = report.categorize(ops)
+    assert totals["native_batch_norm_backward"] == 5.0
+    assert totals["batch_norm forward kernel"] == 3.0
+    assert totals["collectives"] == 8.0
+    assert totals["sub/square/sum"] == 2.0
+    assert totals[report.OTHER] == 4.0
+    assert sum(totals.values()) == sum(op["self_us"] for op in ops)
