@@ -493,6 +493,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(
         f"\nwrote {os.path.join(out, PLOT_FILE)} and {os.path.join(out, RESULTS_FILE)} "
-        f"({time.monotonic() - start:.0f} s in all)"
+        f"({time.monotonic() - start:.0f} s)"
     )
     return 0
