@@ -944,7 +944,7 @@ def _aten_calls(ops: list[dict[str, Any]]) -> float:
 
 
 #: SyncBatchNorm's large-tensor steps, as timed by suite._syncbn_phases.
-PHASES = ("local_moments", "normalize", "backward_sums", "input_grad")
+PHASES = ("local_sums", "normalize", "backward_sums", "input_grad")
 
 
 def _phases_table(derived: dict[str, Any]) -> list[str]:
@@ -954,7 +954,7 @@ def _phases_table(derived: dict[str, Any]) -> list[str]:
     return [
         "SyncBatchNorm's own large-tensor steps, timed alone without collectives in the same "
         "interleaved measurement as the per-layer table: forward statistics "
-        "(`syncbn._stats.local_moments`), eval-mode `batch_norm` normalization, backward "
+        "(`syncbn._stats.local_sums`), eval-mode `batch_norm` normalization, backward "
         "reductions (`_stats.backward_sums`) and input gradient (`_stats.input_grad`). "
         "*rest* = SyncBN compute minus these steps: small per-channel ops, packing, the "
         "header read, Python and autograd overhead, and any wait for the other rank beyond "
@@ -1070,11 +1070,11 @@ def _next_steps(results: dict[str, Any], derived: dict[str, Any]) -> list[str]:
         block = blocks.get(_case_label(row))
         if block is None or row["memory_format"] != "contiguous" or row["dtype"] != "float32":
             continue
-        moments = row["phases_s"].get("local_moments")
+        moments = row["phases_s"].get("local_sums")
         one_pass = block.get("sum", 0.0) + block.get("sum_of_squares", 0.0)
         if moments and one_pass:
             notes.append(
-                f"{_case_label(row)}: local_moments takes {_us(moments)} us where a float32 "
+                f"{_case_label(row)}: local_sums takes {_us(moments)} us where a float32 "
                 f"`sum` plus `sum_of_squares` take {_us(one_pass)} us and `sum_float64` alone "
                 f"{_us(block.get('sum_float64'))} us; the input gradient takes "
                 f"{_us(row['phases_s'].get('input_grad')) or '(not measured)'} us where an "

@@ -244,55 +244,34 @@ def _block_fns(case: dict[str, Any], rank: int, device: torch.device) -> dict[st
     return fns
 
 
-def _call_by_names(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[[], object]:
-    """``fn`` bound to ``values`` by parameter name (raises KeyError for an unknown one)."""
-    parameters = inspect.signature(fn).parameters
-    kwargs = {name: values[name] for name, p in parameters.items() if p.default is p.empty}
-    return functools.partial(fn, **kwargs)
-
-
 def _syncbn_phases(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
-    """SyncBatchNorm's own large-tensor steps (syncbn._stats), to time without collectives.
+    """SyncBatchNorm's own large-tensor steps (``syncbn._stats``), to time without collectives.
 
-    These are private functions of the core, called by parameter name (``input``,
-    ``grad_output``, ``mean``, ``var``, ``invstd``, ``eps``, ``weight``, ``mean_dy``,
-    ``mean_dy_xhat``); a step whose function is gone or wants other parameters is left
-    out, and the report shows it as missing.
+    These call private functions of the core directly: when the core changes them,
+    this breaks loudly and is updated with it.
     """
     from syncbn import _stats
 
     eps = 1e-5
-    phases: dict[str, Callable[[], object]] = {}
-    try:
-        moments = _call_by_names(_stats.local_moments, {"input": x})
-        mean64, var64 = moments()
-        mean, var = mean64.float(), var64.float()
-        phases["syncbn:local_moments"] = moments
-        phases["syncbn:normalize"] = functools.partial(
+    count = x.numel() // x.shape[1]
+    total, square_total = _stats.local_sums(x)
+    mean64 = total / count
+    var64 = square_total / count - mean64.square()
+    mean, var = mean64.to(weight.dtype), var64.to(weight.dtype)
+    sum_dy, sum_dy_xhat = _stats.backward_sums(dy, x, mean, var, eps)
+    means = torch.stack([sum_dy, sum_dy_xhat]).double() / count
+    return {
+        "syncbn:local_sums": functools.partial(_stats.local_sums, x),
+        "syncbn:normalize": functools.partial(
             F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
-        )
-        values = {
-            "input": x,
-            "grad_output": dy,
-            "mean": mean,
-            "var": var,
-            "invstd": torch.rsqrt(var + eps),
-            "eps": eps,
-            "weight": weight,
-        }
-        sums = _call_by_names(_stats.backward_sums, values)
-        sum_dy, sum_dy_xhat = sums()
-        phases["syncbn:backward_sums"] = sums
-        count = x.numel() // x.shape[1]
-        values.update(mean_dy=sum_dy / count, mean_dy_xhat=sum_dy_xhat / count)
-        grad = _call_by_names(_stats.input_grad, values)
-        grad()
-        phases["syncbn:input_grad"] = grad
-    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
-        pass  # keep the steps that ran
-    return phases
+        ),
+        "syncbn:backward_sums": functools.partial(_stats.backward_sums, dy, x, mean, var, eps),
+        "syncbn:input_grad": functools.partial(
+            _stats.input_grad, dy, x, mean, var, eps, weight, means
+        ),
+    }
 
 
 def blocks_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:

@@ -217,7 +217,7 @@ def test_derive_layer_ratios_and_targets() -> None:
     assert row["speedup_vs_reference"] == pytest.approx(3.0)
     assert row["layer_order_check_s"] == pytest.approx(0.01)
     case = _layer_case("float32", "contiguous", syncbn_s=2.0)
-    case["times_s"].update({"syncbn:local_moments": 0.5, "syncbn:input_grad": 0.25})
+    case["times_s"].update({"syncbn:local_sums": 0.5, "syncbn:input_grad": 0.25})
     case["best_s"] = {**case["times_s"], "batchnorm.forward_backward": 1.5}
     with_parts = report.derive_layer(case)
     assert with_parts["rest_s"] == pytest.approx(0.75)  # 1.5 - 0.5 - 0.25
