@@ -62,8 +62,9 @@ def _wait_until(condition: object, timeout: float, what: str) -> None:
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
     argv = ["demo", "--nproc", "2", "--batch-per-proc", "2", "--steps", "16", "--out", str(out)]
-    assert cli.main(argv) == 0
-    printed = capsys.readouterr().out
+    exit_code = cli.main(argv)
+    printed, errors = capsys.readouterr()
+    assert exit_code == 0, errors
 
     results = json.loads((out / RESULTS_FILE).read_text())
     runs = results["runs"]
