@@ -148,7 +148,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         layer: LayerInfo,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         local_count = input.numel() // input.shape[1]
-        total, square_total = _stats.local_sums(input)
+        centered, shift = _stats.center(input) if local_count else (None, None)
+        if centered is not None and shift is not None:
+            total, square_total = _stats.shifted_sums(centered, shift)
+        else:
+            total, square_total = _stats.local_sums(input)  # zeros: an empty local batch
         buffer = _stats.pack_forward(local_count, total, square_total, layer.fingerprint)
         buffer = reducer.all_reduce(buffer, "forward")
 
@@ -166,16 +170,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dtype = _stats.stat_dtype(input.dtype)
         global_mean, global_var = _stats.global_moments(buffer, header.global_count)
         mean, var = global_mean.to(dtype), global_var.to(dtype)
-        output = F.batch_norm(
-            input,
-            mean,
-            var,
-            None if weight is None else weight.to(dtype),
-            None if bias is None else bias.to(dtype),
-            False,
-            0.0,
-            eps,
-        )
+        weight_ = None if weight is None else weight.to(dtype)
+        bias_ = None if bias is None else bias.to(dtype)
+        if centered is not None and shift is not None and centered.dtype == input.dtype:
+            # float32/float64: the shifted copy becomes the output, no second allocation
+            output = _stats.normalize_(centered, shift, mean, var, eps, weight_, bias_)
+        else:  # low-precision input (float32 statistics) or an empty batch
+            output = F.batch_norm(input, mean, var, weight_, bias_, False, 0.0, eps)
         ctx.save_for_backward(input, weight, mean, var)
         ctx.set_materialize_grads(False)  # no zero gradients for the statistics outputs
         ctx.count = header.global_count

@@ -45,15 +45,18 @@ import torch.nn.functional as F
 __all__ = [
     "Header",
     "backward_sums",
+    "center",
     "fingerprint",
     "forward_size",
     "input_grad",
     "global_means",
     "global_moments",
     "local_sums",
+    "normalize_",
     "pack_backward",
     "pack_forward",
     "read_header",
+    "shifted_sums",
     "stat_dtype",
 ]
 
@@ -104,32 +107,34 @@ def _zero_mean_unit_var(
     return zeros, zeros + 1
 
 
-def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel sum and sum of squares of a local batch, in float64.
+def center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift a non-empty local batch by its first sample in each channel.
 
-    The data are first shifted by their first sample in each channel, so that the
-    float32 accumulation sums small numbers and does not cancel for inputs whose
-    mean is large compared with their spread; the shift is added back exactly in
-    float64. The sum and the sum of squares of the shifted data come from one fused
-    pass of ``native_batch_norm_backward`` (eval mode, the shifted data as both
-    gradient and input, mean 0, variance 1, eps 0). An empty batch gives zeros.
+    Summing shifted data in float32 does not cancel for inputs whose mean is large
+    compared with their spread. The shifted copy is in the statistics dtype and the
+    input's memory format; for float32 and float64 inputs it later becomes the
+    output (:func:`normalize_`), so forward allocates no more than BatchNorm does.
 
-    Args:
-        input: tensor of shape ``(N, C, *)``.
+    Returns:
+        ``(centered, shift)``: ``input - shift`` and the shift, of shape ``(C,)``.
+    """
+    first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
+    shift = input.detach()[first_sample].to(stat_dtype(input.dtype))
+    return input.detach() - _channel_view(shift, input.dim()), shift
+
+
+def shifted_sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum and sum of squares of the unshifted batch, in float64.
+
+    The sums of the shifted data come from one fused pass of
+    ``native_batch_norm_backward`` (eval mode, the shifted data as both gradient and
+    input, mean 0, variance 1, eps 0); the shift is added back exactly in float64.
 
     Returns:
         ``(sum, sum_of_squares)``, two float64 tensors of shape ``(C,)``.
     """
-    num_channels = input.shape[1]
-    if input.numel() == 0:
-        zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
-        return zeros, zeros.clone()
-    count = input.numel() // num_channels
-    dtype = stat_dtype(input.dtype)
-    first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
-    shift = input.detach()[first_sample].to(dtype)
-    centered = input.detach() - _channel_view(shift, input.dim())
-    zeros, ones = _zero_mean_unit_var(num_channels, dtype, input.device)
+    count = centered.numel() // centered.shape[1]
+    zeros, ones = _zero_mean_unit_var(shift.numel(), shift.dtype, shift.device)
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
         centered, centered, None, zeros, ones, None, None, False, 0.0, [False, True, True]
     )
@@ -140,6 +145,42 @@ def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # sum(x**2) = sum((x - k)**2) + k (2 sum(x - k) + n k) = ... + k (sum(x - k) + sum(x))
     square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
     return total, square_total
+
+
+def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum and sum of squares of a local batch, in float64; zeros if empty.
+
+    Args:
+        input: tensor of shape ``(N, C, *)``.
+    """
+    if input.numel() == 0:
+        zeros = input.new_zeros(input.shape[1], dtype=_PACK_DTYPE)
+        return zeros, zeros.clone()
+    return shifted_sums(*center(input))
+
+
+def normalize_(
+    centered: torch.Tensor,
+    shift: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Turn the shifted batch into the normalized output, in place (two fused passes).
+
+    ``y = (x - mean) * a + b = centered * a + (b + (shift - mean) * a)`` with
+    ``a = weight / sqrt(var + eps)``; all per-channel vectors in ``centered``'s dtype.
+    """
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight
+    offset = (shift - mean) * scale
+    if bias is not None:
+        offset = offset + bias
+    ndim = centered.dim()
+    return centered.mul_(_channel_view(scale, ndim)).add_(_channel_view(offset, ndim))
 
 
 def pack_forward(
