@@ -88,6 +88,7 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@functools.lru_cache(maxsize=4096)
 def fingerprint(layer_name: str, num_features: int) -> int:
     """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
     return zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
