@@ -16,7 +16,7 @@ import torch.distributed as dist
 from _harness import WorkerPool
 
 import syncbn
-from syncbn import _bench
+from syncbn import _bench, cli
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -33,9 +33,8 @@ def _load(name: str) -> ModuleType:
 
 
 def _run_bench(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    _bench.add_arguments(parser)
-    return _bench.run(parser.parse_args(argv))
+    """``syncbn bench ARGV`` through the real command line."""
+    return cli.main(["bench", *argv])
 
 
 # --------------------------------------------------------------------------- syncbn bench
