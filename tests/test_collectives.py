@@ -3,8 +3,6 @@ payload independent of world size; numerical stability of the cross-rank merge."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -14,48 +12,7 @@ import torch.nn.functional as F
 from _harness import WorkerPool
 
 import syncbn
-
-_COLLECTIVES = [
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-]
-
-
-def _payload_bytes(args: tuple[Any, ...]) -> int:
-    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-
-
-@contextmanager
-def _recorded_collectives() -> Iterator[list[tuple[str, int]]]:
-    """Record (name, payload bytes) of every torch.distributed collective called inside."""
-    log: list[tuple[str, int]] = []
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            log.append((name, _payload_bytes(args)))
-            return fn(*args, **kwargs)
-
-        return recorded
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield log
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+from syncbn._bench import Collective, count_collectives
 
 
 def _count_collectives(rank: int, world_size: int, channels: int) -> dict[str, Any]:
@@ -63,7 +20,7 @@ def _count_collectives(rank: int, world_size: int, channels: int) -> dict[str, A
     bn = syncbn.SyncBatchNorm(channels)
     x = torch.randn(2 + rank, channels, 4, 4, requires_grad=True)
     result: dict[str, Any] = {}
-    with _recorded_collectives() as log:
+    with count_collectives() as log:
         y = bn(x)
         result["forward"] = list(log)
         log.clear()
@@ -91,10 +48,10 @@ def test_one_collective_each_way_with_payload_independent_of_world_size(
     backward_bytes = (2 * channels + 4) * 8
     results = pool2.run(_count_collectives, channels) + pool3.run(_count_collectives, channels)
     for result in results:
-        assert result["forward"] == [("all_reduce", forward_bytes)]
-        assert result["backward"] == [("all_reduce", backward_bytes)]
+        assert result["forward"] == [Collective("all_reduce", forward_bytes)]
+        assert result["backward"] == [Collective("all_reduce", backward_bytes)]
         # input needs no gradient: statistics still sync, backward needs no collective
-        assert result["forward_no_input_grad"] == [("all_reduce", forward_bytes)]
+        assert result["forward_no_input_grad"] == [Collective("all_reduce", forward_bytes)]
         assert result["eval"] == []
         assert result["group_of_one"] == []
 
@@ -107,7 +64,7 @@ def test_no_process_group_is_exactly_batchnorm() -> None:
         torch.nn.BatchNorm2d(4, momentum=None),
     )
     plain_bn.load_state_dict(sync_bn.state_dict())
-    with _recorded_collectives() as log:
+    with count_collectives() as log:
         for step in range(3):
             x = torch.randn(3, 4, 5, 5, requires_grad=True)
             x_ref = x.detach().clone().requires_grad_()
@@ -132,7 +89,7 @@ def _eval_is_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         tracked.running_mean.fill_(0.5)
         tracked.running_var.fill_(2.0)
-    with _recorded_collectives() as log, torch.no_grad():
+    with count_collectives() as log, torch.no_grad():
         out_tracked, out_untracked = tracked(x), untracked(x)
     assert log == []
     expected_tracked = (x - 0.5) / torch.sqrt(torch.tensor(2.0 + 1e-5))

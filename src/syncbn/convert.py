@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,14 @@ from torch.nn.parameter import is_lazy
 
 from syncbn.batchnorm import SyncBatchNorm
 
-__all__ = ["BatchNormNd", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = [
+    "BatchNormNd",
+    "batchnorm_twin",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+]
+
+_BatchNormT = TypeVar("_BatchNormT", bound=_BatchNorm)
 
 # forward implementations that a converted layer reproduces exactly
 _PLAIN_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward)
@@ -62,6 +70,24 @@ def _share_state(source: nn.Module, target: nn.Module) -> nn.Module:
     return target
 
 
+def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) -> _BatchNormT:
+    """A ``cls`` layer with ``source``'s settings that shares its Parameters, buffers and mode.
+
+    Built on the meta device, so nothing is allocated before the state is shared.
+    """
+    twin = cls(
+        source.num_features,
+        source.eps,
+        source.momentum,
+        source.affine,
+        source.track_running_stats,
+        device="meta",
+        **kwargs,
+    )
+    _share_state(source, twin)
+    return twin
+
+
 def _is_plain_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and type(module).forward in _PLAIN_FORWARDS
 
@@ -90,16 +116,10 @@ def _convert(
             stacklevel=3,
         )
     elif isinstance(module, _BatchNorm):
-        result = SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group if process_group is not None else getattr(module, "process_group", None),
-            device="meta",
+        group = (
+            process_group if process_group is not None else getattr(module, "process_group", None)
         )
-        _share_state(module, result)
+        result = batchnorm_twin(module, SyncBatchNorm, process_group=group)
         result.layer_name = path
         result.check_layer_order = check_layer_order
     for name, child in module.named_children():
@@ -180,16 +200,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """
     result = module
     if isinstance(module, SyncBatchNorm):
-        cls = _batchnorm_class(module.last_input_dim)
-        result = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            device="meta",
-        )
-        _share_state(module, result)
+        result = batchnorm_twin(module, _batchnorm_class(module.last_input_dim))
     for name, child in module.named_children():
         result.add_module(name, revert_sync_batchnorm(child))
     return result

@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn._autograd import LayerInfo, sync_batch_norm_train
 from syncbn.batchnorm import momentum_factor
+from syncbn.convert import batchnorm_twin
 from syncbn.functional import update_running_stats
 
 __all__ = [
@@ -591,20 +592,7 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
                 f"of {torch_class.__name__})"
             )
             return module
-        twin = sync_class(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            device="meta",
-        )
-        for name, param in module.named_parameters(recurse=False):
-            setattr(twin, name, param)
-        for name, buffer in module.named_buffers(recurse=False):
-            setattr(twin, name, buffer)
-        twin.train(module.training)
-        return twin
+        return batchnorm_twin(module, sync_class)
     return module
 
 
