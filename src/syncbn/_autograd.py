@@ -148,8 +148,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         layer: LayerInfo,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         local_count = input.numel() // input.shape[1]
-        centered, shift = _stats.center(input) if local_count else (None, None)
-        if centered is not None and shift is not None:
+        dtype = _stats.stat_dtype(input.dtype)
+        if local_count:
+            centered, shift = _stats.center(input)
             total, square_total = _stats.shifted_sums(centered, shift)
         else:
             total, square_total = _stats.local_sums(input)  # zeros: an empty local batch
@@ -167,12 +168,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 f"{reducer.world_size} {reducer.participants}"
             )
 
-        dtype = _stats.stat_dtype(input.dtype)
         global_mean, global_var = _stats.global_moments(buffer, header.global_count)
         mean, var = global_mean.to(dtype), global_var.to(dtype)
         weight_ = None if weight is None else weight.to(dtype)
         bias_ = None if bias is None else bias.to(dtype)
-        if centered is not None and shift is not None and centered.dtype == input.dtype:
+        if local_count and dtype == input.dtype:
             # float32/float64: the shifted copy becomes the output, no second allocation
             output = _stats.normalize_(centered, shift, mean, var, eps, weight_, bias_)
         else:  # low-precision input (float32 statistics) or an empty batch
@@ -184,7 +184,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.eps = eps
         ctx.reducer = reducer
         ctx.layer = layer
-        unbiased_var = global_var * (header.global_count / (header.global_count - 1))
+        unbiased_var = var * (header.global_count / (header.global_count - 1))
         ctx.mark_non_differentiable(mean, unbiased_var)
         return output, mean, unbiased_var
 
