@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import compute
 import report
 import suite
 
@@ -26,7 +27,9 @@ import syncbn
 from syncbn._bench import machine_info, run_on_ranks
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("layers", "blocks", "profiles", "memory", "model", "collectives")
+SECTIONS = ("layers", "blocks", "profiles", "memory", "model", "collectives", "compute")
+# sections measured outside the ranks of the main suite
+_OWN_PROCESSES = ("collectives", "compute")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in settings.items() if not k.endswith("cases")},
     }
     _log(f"machine: {results['machine']}")
-    rank_sections = [name for name in settings["sections"] if name != "collectives"]
+    rank_sections = [name for name in settings["sections"] if name not in _OWN_PROCESSES]
     if rank_sections:
         _log(f"{settings['world_size']} ranks: {', '.join(rank_sections)}")
         ranks = run_on_ranks(
@@ -176,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             results["collectives"][str(world_size)] = run_on_ranks(
                 suite.collectives_rank, world_size, settings, backend=settings["backend"]
             )
+    if "compute" in settings["sections"] and not args.quick and args.device == "cpu":
+        _log("compute without the transport, one process (compute.py -> compute.md)")
+        compute.main()
     results["wall_s"] = time.perf_counter() - started
     results["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     derived = report.derive(results)
