@@ -45,7 +45,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn._autograd import LayerInfo, sync_batch_norm_train
 from syncbn.batchnorm import momentum_factor
 from syncbn.convert import batchnorm_twin
-from syncbn.functional import update_running_stats
+from syncbn.functional import _input_problem, update_running_stats
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -248,21 +248,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
 
     def _input_problem(self, input: torch.Tensor) -> Exception | None:
         try:
-            self._check_input_dim(input)
+            self._check_input_dim(input)  # BatchNorm1d/2d/3d's own dims check
         except ValueError as error:
             return error
-        if input.shape[1] != self.num_features:
-            return ValueError(
-                f"expected input with {self.num_features} channels "
-                f"(num_features={self.num_features}), got input of shape {tuple(input.shape)} "
-                f"with {input.shape[1]} channels"
-            )
-        if not input.is_floating_point():
-            return TypeError(
-                f"{type(self).__name__} expects a floating point input, got input of dtype "
-                f"{input.dtype}"
-            )
-        return None
+        return _input_problem(input, self.num_features, layer_kind=type(self).__name__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rendezvous = self._replica_sync

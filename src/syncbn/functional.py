@@ -19,7 +19,10 @@ __all__ = ["sync_batch_norm"]
 
 
 def _input_problem(
-    input: torch.Tensor, num_features: int | None, param_device: torch.device | None = None
+    input: torch.Tensor,
+    num_features: int | None,
+    param_device: torch.device | None = None,
+    layer_kind: str = "SyncBatchNorm",
 ) -> Exception | None:
     """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch."""
     if input.dim() < 2:
@@ -31,7 +34,7 @@ def _input_problem(
         )
     if not input.is_floating_point():
         return TypeError(
-            f"SyncBatchNorm expects a floating point input, got input of dtype {input.dtype}"
+            f"{layer_kind} expects a floating point input, got input of dtype {input.dtype}"
         )
     if param_device is not None and input.device != param_device:
         return RuntimeError(
