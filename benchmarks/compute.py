@@ -71,7 +71,7 @@ def _case(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool) -> di
     reducer = _TwoIdenticalRanks()
 
     def syncbn() -> None:
-        y = sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)[0]
+        y = sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)
         torch.autograd.grad(y, (x, weight, bias), dy)
 
     def batchnorm() -> None:

@@ -257,20 +257,20 @@ def _syncbn_phases(
     eps = 1e-5
     count = x.numel() // x.shape[1]
     total, square_total = _stats.local_sums(x)
-    mean64 = total / count
-    var64 = square_total / count - mean64.square()
-    mean, var = mean64.to(weight.dtype), var64.to(weight.dtype)
+    buffer = _stats.pack_forward(count, total, square_total, fingerprint=0)
+    stats = _stats.batch_statistics(
+        buffer, count, eps, weight, weight, torch.zeros_like(total), weight.dtype, x.dim()
+    )
+    mean, var = stats.mean, stats.var
     sum_dy, sum_dy_xhat = _stats.backward_sums(dy, x, mean, var, eps)
-    means = torch.stack([sum_dy, sum_dy_xhat]).double() / count
+    totals = torch.stack([sum_dy, sum_dy_xhat]).double()
     return {
         "syncbn:local_sums": functools.partial(_stats.local_sums, x),
         "syncbn:normalize": functools.partial(
             F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
         ),
         "syncbn:backward_sums": functools.partial(_stats.backward_sums, dy, x, mean, var, eps),
-        "syncbn:input_grad": functools.partial(
-            _stats.input_grad, dy, x, mean, var, eps, weight, means
-        ),
+        "syncbn:input_grad": functools.partial(_stats.input_grad, dy, x, stats, eps, totals),
     }
 
 

@@ -88,7 +88,7 @@ def _gradcheck_alone(rank: int, world_size: int) -> bool:
 
     def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         reducer = ProcessGroupReducer(groups[rank], 1)
-        return sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)[0]
+        return sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)
 
     return torch.autograd.gradcheck(fn, (x, weight, bias))
 

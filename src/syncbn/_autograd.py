@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from syncbn import _stats, distributed
@@ -146,14 +145,19 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         eps: float,
         reducer: Reducer,
         layer: LayerInfo,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        local_count = input.numel() // input.shape[1]
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        momentum: float,
+    ) -> torch.Tensor:
+        num_channels = input.shape[1]
+        local_count = input.numel() // num_channels
         dtype = _stats.stat_dtype(input.dtype)
         if local_count:
             centered, shift = _stats.center(input)
-            total, square_total = _stats.shifted_sums(centered, shift)
-        else:
-            total, square_total = _stats.local_sums(input)  # zeros: an empty local batch
+            total, square_total, shift64 = _stats.shifted_sums(centered, shift)
+        else:  # an empty local batch still joins the collective, with zeros
+            total, square_total = _stats.local_sums(input)
+            shift64 = total
         buffer = _stats.pack_forward(local_count, total, square_total, layer.fingerprint)
         buffer = reducer.all_reduce(buffer, "forward")
 
@@ -161,43 +165,56 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # for the collective that the normalization below needs anyway.
         header = _stats.read_header(buffer)
         _check_header(header, reducer.world_size, layer, "forward")
-        if header.global_count <= 1:
+        count = header.global_count
+        if count <= 1:
             raise ValueError(
                 "Expected more than 1 value per channel when training, got input size "
-                f"{input.size()} here and {header.global_count} value(s) per channel across all "
+                f"{input.size()} here and {count} value(s) per channel across all "
                 f"{reducer.world_size} {reducer.participants}"
             )
 
-        global_mean, global_var = _stats.global_moments(buffer, header.global_count)
-        mean, var = global_mean.to(dtype), global_var.to(dtype)
-        weight_ = None if weight is None else weight.to(dtype)
-        bias_ = None if bias is None else bias.to(dtype)
+        stats = _stats.batch_statistics(
+            buffer, count, eps, weight, bias, shift64, dtype, input.dim()
+        )
         if local_count and dtype == input.dtype:
             # float32/float64: the shifted copy becomes the output, no second allocation
-            output = _stats.normalize_(centered, shift, mean, var, eps, weight_, bias_)
+            output = _stats.normalize_(centered, stats)
         else:  # low-precision input (float32 statistics) or an empty batch
-            output = F.batch_norm(input, mean, var, weight_, bias_, False, 0.0, eps)
-        ctx.save_for_backward(input, weight, mean, var)
-        ctx.set_materialize_grads(False)  # no zero gradients for the statistics outputs
-        ctx.count = header.global_count
-        ctx.bias_dtype = None if bias is None else bias.dtype
+            output = torch.batch_norm(
+                input,
+                None if weight is None else weight.to(dtype),
+                None if bias is None else bias.to(dtype),
+                stats.mean,
+                stats.var,
+                False,
+                0.0,
+                eps,
+                False,
+            )
+        if running_mean is not None:
+            running_mean.lerp_(stats.mean.to(running_mean.dtype), momentum)
+        if running_var is not None:
+            running_var.lerp_(stats.unbiased_var.to(running_var.dtype), momentum)
+        ctx.save_for_backward(input)
+        ctx.stats = stats  # small per-channel tensors, not visible to autograd
         ctx.eps = eps
         ctx.reducer = reducer
         ctx.layer = layer
-        unbiased_var = var * (header.global_count / (header.global_count - 1))
-        ctx.mark_non_differentiable(mean, unbiased_var)
-        return output, mean, unbiased_var
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output
 
     @staticmethod
     @once_differentiable
     def backward(  # type: ignore[override]
-        ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
+        ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        input, weight, mean, var = ctx.saved_tensors
-        if grad_output is None:  # undefined: still join the collective, with zeros
-            grad_output = torch.zeros_like(input)
+        (input,) = ctx.saved_tensors
+        stats: _stats.BatchStatistics = ctx.stats
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
+        sum_dy, sum_dy_xhat = _stats.backward_sums(
+            grad_output, input, stats.mean, stats.var, ctx.eps
+        )
 
         grad_input: torch.Tensor | None = None
         if need_input:
@@ -207,11 +224,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 _check_header(
                     _stats.read_header(buffer), ctx.reducer.world_size, ctx.layer, "backward"
                 )
-            means = _stats.global_means(buffer, ctx.count)
-            grad_input = _stats.input_grad(grad_output, input, mean, var, ctx.eps, weight, means)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+            totals = _stats.backward_totals(buffer)
+            grad_input = _stats.input_grad(grad_output, input, stats, ctx.eps, totals)
+        grad_weight = _cast(sum_dy_xhat, ctx.weight_dtype) if need_weight else None
+        grad_bias = _cast(sum_dy, ctx.bias_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def sync_batch_norm_train(
@@ -221,14 +242,19 @@ def sync_batch_norm_train(
     eps: float,
     reducer: Reducer,
     layer: LayerInfo,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    momentum: float = 0.0,
+) -> torch.Tensor:
     """Normalize ``input`` with statistics of the global batch of ``reducer``'s participants.
 
+    ``running_mean`` and ``running_var``, those given, move towards the global mean
+    and unbiased variance by ``momentum``, in place.
+
     Returns:
-        ``(output, mean, unbiased_var)``: the normalized output (differentiable) and the
-        global mean and unbiased variance (statistics dtype), for the running statistics.
+        The normalized output (differentiable with respect to input, weight and bias).
     """
-    output, mean, unbiased_var = _SyncBatchNormFunction.apply(
-        input, weight, bias, eps, reducer, layer
+    output: torch.Tensor = _SyncBatchNormFunction.apply(
+        input, weight, bias, eps, reducer, layer, running_mean, running_var, momentum
     )
-    return output, mean, unbiased_var
+    return output

@@ -40,16 +40,17 @@ import zlib
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
+    "BatchStatistics",
     "Header",
     "backward_sums",
+    "backward_totals",
+    "batch_statistics",
     "center",
     "fingerprint",
     "forward_size",
     "input_grad",
-    "global_means",
     "global_moments",
     "local_sums",
     "normalize_",
@@ -117,19 +118,28 @@ def center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     output (:func:`normalize_`), so forward allocates no more than BatchNorm does.
 
     Returns:
-        ``(centered, shift)``: ``input - shift`` and the shift, of shape ``(C,)``.
+        ``(centered, shift)``: ``input - shift`` and the shift, a ``(1, C, 1, ...)``
+        tensor that broadcasts against the input.
     """
     dtype = stat_dtype(input.dtype)
+    ndim = input.dim()
     detached = input.detach()
-    first_sample = (0, slice(None)) + (0,) * (input.dim() - 2)
-    shift = detached[first_sample].to(dtype)
+    # a strided view of input[0, :, 0, ...] in the broadcast shape: one op instead of four
+    shift = detached.as_strided(
+        (1, input.shape[1]) + (1,) * (ndim - 2),
+        (0, input.stride(1)) + (0,) * (ndim - 2),
+        input.storage_offset(),
+    )
     if input.dtype == dtype:
-        return torch.sub(detached, _channel_view(shift, input.dim())), shift
+        return torch.sub(detached, shift), shift
     # low precision: convert, then subtract in place (a mixed-dtype subtraction is ~20x slower)
-    return detached.to(dtype).sub_(_channel_view(shift, input.dim())), shift
+    shift = shift.to(dtype)
+    return detached.to(dtype).sub_(shift), shift
 
 
-def shifted_sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_sums(
+    centered: torch.Tensor, shift: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel sum and sum of squares of the unshifted batch, in float64.
 
     The sums of the shifted data come from one fused pass of
@@ -137,20 +147,23 @@ def shifted_sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Ten
     input, mean 0, variance 1, eps 0); the shift is added back exactly in float64.
 
     Returns:
-        ``(sum, sum_of_squares)``, two float64 tensors of shape ``(C,)``.
+        ``(sum, sum_of_squares, shift)``, three float64 tensors of shape ``(C,)``.
     """
-    count = centered.numel() // centered.shape[1]
-    zeros, ones = _zero_mean_unit_var(shift.numel(), shift.dtype, shift.device)
+    num_channels = centered.shape[1]
+    count = centered.numel() // num_channels
+    zeros, ones = _zero_mean_unit_var(num_channels, shift.dtype, shift.device)
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
         centered, centered, None, zeros, ones, None, None, False, 0.0, [False, True, True]
     )
     shift, shifted_sum, shifted_square_sum = (
-        torch.stack([shift, shifted_sum, shifted_square_sum]).to(_PACK_DTYPE).unbind()
+        torch.stack([shift.view(num_channels), shifted_sum, shifted_square_sum])
+        .to(_PACK_DTYPE)
+        .unbind()
     )
     total = torch.add(shifted_sum, shift, alpha=count)  # sum(x) = sum(x - k) + n k
     # sum(x**2) = sum((x - k)**2) + k (2 sum(x - k) + n k) = ... + k (sum(x - k) + sum(x))
     square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
-    return total, square_total
+    return total, square_total, shift
 
 
 def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,31 +175,90 @@ def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if input.numel() == 0:
         zeros = input.new_zeros(input.shape[1], dtype=_PACK_DTYPE)
         return zeros, zeros.clone()
-    return shifted_sums(*center(input))
+    total, square_total, _ = shifted_sums(*center(input))
+    return total, square_total
 
 
-def normalize_(
-    centered: torch.Tensor,
-    shift: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
+class BatchStatistics(NamedTuple):
+    """What a training forward derives from the global moments, all in the statistics dtype.
+
+    ``scale`` and ``offset`` broadcast against the input, ``(1, C, 1, ...)``; the
+    rest have shape ``(C,)``.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor  # biased: what normalizes
+    unbiased_var: torch.Tensor  # what the running variance tracks
+    scale: torch.Tensor  # weight / sqrt(var + eps)
+    offset: torch.Tensor  # bias + (shift - mean) * scale: the output is centered * scale + offset
+    grad_scale: torch.Tensor  # -scale / count: turns global backward sums into correction terms
+
+
+def batch_statistics(
+    buffer: torch.Tensor,
+    count: int,
     eps: float,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-) -> torch.Tensor:
+    shift: torch.Tensor,
+    dtype: torch.dtype,
+    ndim: int,
+) -> BatchStatistics:
+    """Everything a training forward needs from an all-reduced forward buffer.
+
+    Computed in float64 and cast to ``dtype`` in one step.
+
+    Args:
+        buffer: the all-reduced forward buffer.
+        count: the global count per channel (at least 2), from :func:`read_header`.
+        shift: the float64 ``(C,)`` shift of this rank's centered batch.
+        ndim: number of dimensions of the input.
+    """
+    mean, var = global_moments(buffer, count)
+    scale = (var + eps).rsqrt_()
+    if weight is not None:
+        scale = scale * weight
+    # bias + (shift - mean) * scale
+    offset = (
+        (shift - mean).mul_(scale) if bias is None else torch.addcmul(bias, shift - mean, scale)
+    )
+    rows = torch.stack(
+        [mean, var, var * (count / (count - 1)), scale, offset, scale * (-1 / count)]
+    )
+    mean, var, unbiased_var, scale, offset, grad_scale = rows.to(dtype).unbind()
+    return BatchStatistics(
+        mean,
+        var,
+        unbiased_var,
+        _channel_view(scale, ndim),
+        _channel_view(offset, ndim),
+        grad_scale,
+    )
+
+
+def normalize_(centered: torch.Tensor, stats: BatchStatistics) -> torch.Tensor:
     """Turn the shifted batch into the normalized output, in place (two fused passes).
 
     ``y = (x - mean) * a + b = centered * a + (b + (shift - mean) * a)`` with
-    ``a = weight / sqrt(var + eps)``; all per-channel vectors in ``centered``'s dtype.
+    ``a = weight / sqrt(var + eps)``. (A single broadcasting ``addcmul`` is several
+    times slower than ``mul_`` + ``add_`` on contiguous NCHW input on CPU.)
     """
-    scale = torch.rsqrt(var + eps)
-    if weight is not None:
-        scale = scale * weight
-    offset = (shift - mean) * scale
-    if bias is not None:
-        offset = offset + bias
-    ndim = centered.dim()
-    return centered.mul_(_channel_view(scale, ndim)).add_(_channel_view(offset, ndim))
+    return centered.mul_(stats.scale).add_(stats.offset)
+
+
+@functools.lru_cache(maxsize=1024)
+def _buffer_ends(
+    fingerprint: int, count: int | None, error: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constant head and trailer of a buffer (``count`` is ``None`` for backward buffers).
+
+    A layer sends the same ones at every step, so they are built once; ``torch.cat``
+    never writes to them.
+    """
+    f = float(fingerprint)
+    head = [float(error), f, f * f] + ([] if count is None else [float(count)])
+    ends = torch.tensor(head + [f], dtype=_PACK_DTYPE, device=device)
+    return ends[:-1], ends[-1:]
 
 
 def pack_forward(
@@ -201,11 +273,8 @@ def pack_forward(
     Layout: ``[error, f, f**2, n, sum(x) (C), sum(x**2) (C), f]``; the sums per
     channel equal ``n * mean`` and ``n * (var + mean**2)``.
     """
-    f = float(fingerprint)
-    ends = torch.tensor(
-        [float(error), f, f * f, float(count), f], dtype=_PACK_DTYPE, device=total.device
-    )
-    return torch.cat([ends[:4], total, square_total, ends[4:]])
+    head, trailer = _buffer_ends(fingerprint, count, error, total.device)
+    return torch.cat([head, total, square_total, trailer])
 
 
 @functools.lru_cache(maxsize=256)
@@ -226,25 +295,30 @@ def global_moments(buffer: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
         buffer: the all-reduced forward buffer.
         count: the global count per channel, from :func:`read_header`.
     """
-    total, square_total = buffer[_COUNT_SLOT + 1 : -1].view(2, -1).unbind()
     divisor = max(count, 1)  # an empty global batch gives zeros, not NaN
-    mean = total / divisor
-    var = torch.addcmul(square_total / divisor, mean, mean, value=-1).clamp_(min=0)
+    num_channels = (buffer.numel() - _COUNT_SLOT - 2) // 2
+    sums = buffer.as_strided(  # a (2, C) view of the sums: one op instead of two
+        (2, num_channels), (num_channels, 1), buffer.storage_offset() + _COUNT_SLOT + 1
+    )
+    mean, square_mean = (sums / divisor).unbind()
+    var = torch.addcmul(square_mean, mean, mean, value=-1).clamp_(min=0)
     return mean, var
 
 
 def pack_backward(
     sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int
 ) -> torch.Tensor:
-    """Pack one rank's backward sums: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C), f]``."""
-    f = float(fingerprint)
-    ends = torch.tensor([0.0, f, f * f, f], dtype=_PACK_DTYPE, device=sum_dy.device)
-    return torch.cat([ends[:3], sum_dy, sum_dy_xhat, ends[3:]])
+    """Pack one rank's backward sums: ``[0, f, f**2, sum_dy (C), sum_dy_xhat (C), f]``.
+
+    The sums may be float32; ``torch.cat`` promotes them to the buffer's float64.
+    """
+    head, trailer = _buffer_ends(fingerprint, None, False, sum_dy.device)
+    return torch.cat([head, sum_dy, sum_dy_xhat, trailer])
 
 
-def global_means(buffer: torch.Tensor, count: int) -> torch.Tensor:
-    """Global ``mean(dy)`` and ``mean(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
-    return buffer[_HEADER_SIZE:-1].view(2, -1) / count
+def backward_totals(buffer: torch.Tensor) -> torch.Tensor:
+    """Global ``sum(dy)`` and ``sum(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
+    return buffer[_HEADER_SIZE:-1].view(2, -1)
 
 
 def backward_sums(
@@ -276,11 +350,9 @@ def backward_sums(
 def input_grad(
     grad_output: torch.Tensor,
     input: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
+    stats: BatchStatistics,
     eps: float,
-    weight: torch.Tensor | None,
-    means: torch.Tensor,
+    totals: torch.Tensor,
 ) -> torch.Tensor:
     r"""Input gradient of batch normalization given the *global* reductions.
 
@@ -294,13 +366,18 @@ def input_grad(
     ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
 
     Args:
-        means: ``(2, C)``: the global ``mean(dy)`` and ``mean(dy * xhat)``.
+        stats: the forward's statistics; ``stats.grad_scale`` is
+            :math:`-\gamma\sigma^{-1} / N`.
+        totals: ``(2, C)``: the global ``sum(dy)`` and ``sum(dy * xhat)``.
     """
-    scale = torch.rsqrt(var + eps)
-    if weight is not None:
-        scale = scale * weight.to(scale.dtype)
-    bias, weight_correction = (means.to(scale.dtype) * scale).neg_().unbind()
-    correction = F.batch_norm(input, mean, var, weight_correction, bias, False, 0.0, eps)
-    # low precision: a mixed-dtype addcmul_ is ~25x slower than one in the gradient's dtype
-    scale = scale.to(grad_output.dtype)
-    return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))
+    correction_bias, correction_weight = (
+        totals.to(stats.grad_scale.dtype).mul_(stats.grad_scale).unbind()
+    )
+    correction = torch.batch_norm(
+        input, correction_weight, correction_bias, stats.mean, stats.var, False, 0.0, eps, False
+    )
+    scale = stats.scale
+    if scale.dtype != grad_output.dtype:
+        # low precision: a mixed-dtype addcmul_ is ~25x slower than one in the gradient's dtype
+        scale = scale.to(grad_output.dtype)
+    return correction.addcmul_(grad_output, scale)

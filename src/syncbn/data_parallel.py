@@ -45,7 +45,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn._autograd import LayerInfo, sync_batch_norm_train
 from syncbn.batchnorm import momentum_factor
 from syncbn.convert import batchnorm_twin
-from syncbn.functional import _input_problem, update_running_stats
+from syncbn.functional import _input_problem
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -263,21 +263,28 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if problem is not None:
             rendezvous.abort(self._replica_copy_id, problem)
             raise problem
-        factor = momentum_factor(self)
+        tracking = self.track_running_stats and self.num_batches_tracked is not None
         try:
             reducer = _ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
             layer = LayerInfo(type(self).__name__, self.num_features, self._replica_calls, False)
-            output, mean, unbiased_var = sync_batch_norm_train(
-                input, self.weight, self.bias, self.eps, reducer, layer
+            output = sync_batch_norm_train(
+                input,
+                self.weight,
+                self.bias,
+                self.eps,
+                reducer,
+                layer,
+                self.running_mean if tracking else None,
+                self.running_var if tracking else None,
+                momentum_factor(self),
             )
         except Exception as error:
             rendezvous.abort(self._replica_copy_id, error)
             raise
         finally:
             self._replica_calls += 1
-        if self.track_running_stats and self.num_batches_tracked is not None:
-            update_running_stats(self.running_mean, self.running_var, mean, unbiased_var, factor)
-            self.num_batches_tracked.add_(1)
+        if tracking:
+            self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
         return output
 
 

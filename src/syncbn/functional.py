@@ -44,21 +44,6 @@ def _input_problem(
     return None
 
 
-@torch.no_grad()
-def update_running_stats(
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    mean: torch.Tensor,
-    unbiased_var: torch.Tensor,
-    momentum: float,
-) -> None:
-    """Move the running statistics (those given) towards the batch's, in place, like torch."""
-    if running_mean is not None:
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-    if running_var is not None:
-        running_var.lerp_(unbiased_var.to(running_var.dtype), momentum)
-
-
 def _first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     """The first per-channel tensor that is not ``None``, if any."""
     return next((tensor for tensor in tensors if tensor is not None), None)
@@ -111,9 +96,9 @@ def _sync_batch_norm(
 
     distributed.check_device_backend(input.device, process_group)
     reducer = ProcessGroupReducer(process_group, world_size)
-    output, mean, unbiased_var = sync_batch_norm_train(input, weight, bias, eps, reducer, layer)
-    update_running_stats(running_mean, running_var, mean, unbiased_var, momentum)
-    return output
+    return sync_batch_norm_train(
+        input, weight, bias, eps, reducer, layer, running_mean, running_var, momentum
+    )
 
 
 def sync_batch_norm(
