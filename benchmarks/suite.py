@@ -259,9 +259,9 @@ def _syncbn_phases(
     total, square_total = _stats.local_sums(x)
     buffer = _stats.pack_forward(count, total, square_total, fingerprint=0)
     stats = _stats.batch_statistics(
-        buffer, count, eps, weight, weight, torch.zeros_like(total), weight.dtype, x.dim()
+        buffer, count, eps, weight, weight, torch.zeros_like(total), weight.dtype
     )
-    mean, var = stats.mean, stats.var
+    mean, var, scale = stats.saved.unbind()
     sum_dy, sum_dy_xhat = _stats.backward_sums(dy, x, mean, var, eps)
     totals = torch.stack([sum_dy, sum_dy_xhat]).double()
     return {
@@ -270,7 +270,9 @@ def _syncbn_phases(
             F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
         ),
         "syncbn:backward_sums": functools.partial(_stats.backward_sums, dy, x, mean, var, eps),
-        "syncbn:input_grad": functools.partial(_stats.input_grad, dy, x, stats, eps, totals),
+        "syncbn:input_grad": functools.partial(
+            _stats.input_grad, dy, x, mean, var, scale, eps, totals, count
+        ),
     }
 
 

@@ -335,3 +335,24 @@ def test_categorize_profile_ops() -> None:
     assert totals["sub/square/sum"] == 2.0
     assert totals[report.OTHER] == 4.0
     assert sum(totals.values()) == sum(op["self_us"] for op in ops)
+
+
+def test_compute_case_times_both_variants_and_counts_faults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/compute.py: one small case, with short timing blocks."""
+    compute = _load("compute")
+    monkeypatch.setattr(compute, "ROUNDS", 2)
+    monkeypatch.setattr(compute, "_median_ms", _short_median_ms)
+    row = compute._case((4, 3, 5, 5), torch.float32, channels_last=False)
+    assert row["batchnorm_ms"] > 0 and row["syncbn_ms"] > 0 and row["floor_ms"] > 0
+    assert row["syncbn_over_batchnorm"] == pytest.approx(row["syncbn_ms"] / row["batchnorm_ms"])
+    assert row["syncbn_over_floor"] == pytest.approx(row["syncbn_ms"] / row["floor_ms"])
+    assert row["batchnorm_faults_per_call"] >= 0 and row["syncbn_faults_per_call"] >= 0
+    assert set(compute._MEASURED) <= set(row)
+
+
+def _short_median_ms(fn: Any) -> float:
+    from torch.utils.benchmark import Timer
+
+    return float(Timer("fn()", globals={"fn": fn}).timeit(20).median * 1e3)

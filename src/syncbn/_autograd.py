@@ -173,30 +173,30 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 f"{reducer.world_size} {reducer.participants}"
             )
 
-        stats = _stats.batch_statistics(
-            buffer, count, eps, weight, bias, shift64, dtype, input.dim()
-        )
+        stats = _stats.batch_statistics(buffer, count, eps, weight, bias, shift64, dtype)
+        mean, var, scale = stats.saved.unbind()
         if local_count and dtype == input.dtype:
             # float32/float64: the shifted copy becomes the output, no second allocation
-            output = _stats.normalize_(centered, stats)
+            output = _stats.normalize_(centered, scale, stats.offset)
         else:  # low-precision input (float32 statistics) or an empty batch
             output = torch.batch_norm(
                 input,
                 None if weight is None else weight.to(dtype),
                 None if bias is None else bias.to(dtype),
-                stats.mean,
-                stats.var,
+                mean,
+                var,
                 False,
                 0.0,
                 eps,
                 False,
             )
         if running_mean is not None:
-            running_mean.lerp_(stats.mean.to(running_mean.dtype), momentum)
+            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
         if running_var is not None:
-            running_var.lerp_(stats.unbiased_var.to(running_var.dtype), momentum)
-        ctx.save_for_backward(input)
-        ctx.stats = stats  # small per-channel tensors, not visible to autograd
+            unbiased_var = var * (count / (count - 1))
+            running_var.lerp_(unbiased_var.to(running_var.dtype), momentum)
+        ctx.save_for_backward(input, stats.saved)
+        ctx.count = count
         ctx.eps = eps
         ctx.reducer = reducer
         ctx.layer = layer
@@ -209,12 +209,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        (input,) = ctx.saved_tensors
-        stats: _stats.BatchStatistics = ctx.stats
+        input, saved = ctx.saved_tensors
+        mean, var, scale = saved.unbind()
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = _stats.backward_sums(
-            grad_output, input, stats.mean, stats.var, ctx.eps
-        )
+        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
 
         grad_input: torch.Tensor | None = None
         if need_input:
@@ -225,7 +223,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                     _stats.read_header(buffer), ctx.reducer.world_size, ctx.layer, "backward"
                 )
             totals = _stats.backward_totals(buffer)
-            grad_input = _stats.input_grad(grad_output, input, stats, ctx.eps, totals)
+            grad_input = _stats.input_grad(
+                grad_output, input, mean, var, scale, ctx.eps, totals, ctx.count
+            )
         grad_weight = _cast(sum_dy_xhat, ctx.weight_dtype) if need_weight else None
         grad_bias = _cast(sum_dy, ctx.bias_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None

@@ -180,18 +180,13 @@ def local_sums(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class BatchStatistics(NamedTuple):
-    """What a training forward derives from the global moments, all in the statistics dtype.
+    """What a training forward derives from the global moments, in the statistics dtype."""
 
-    ``scale`` and ``offset`` broadcast against the input, ``(1, C, 1, ...)``; the
-    rest have shape ``(C,)``.
-    """
-
-    mean: torch.Tensor
-    var: torch.Tensor  # biased: what normalizes
-    unbiased_var: torch.Tensor  # what the running variance tracks
-    scale: torch.Tensor  # weight / sqrt(var + eps)
-    offset: torch.Tensor  # bias + (shift - mean) * scale: the output is centered * scale + offset
-    grad_scale: torch.Tensor  # -scale / count: turns global backward sums into correction terms
+    #: ``(3, C)``: mean, biased variance and ``scale = weight / sqrt(var + eps)``: all that
+    #: backward needs, in one storage (BatchNorm keeps weight, mean and inverse std).
+    saved: torch.Tensor
+    #: ``(C,)``: ``bias + (shift - mean) * scale``; the output is ``centered * scale + offset``.
+    offset: torch.Tensor
 
 
 def batch_statistics(
@@ -202,17 +197,15 @@ def batch_statistics(
     bias: torch.Tensor | None,
     shift: torch.Tensor,
     dtype: torch.dtype,
-    ndim: int,
 ) -> BatchStatistics:
     """Everything a training forward needs from an all-reduced forward buffer.
 
-    Computed in float64 and cast to ``dtype`` in one step.
+    Computed in float64, then cast to ``dtype``.
 
     Args:
         buffer: the all-reduced forward buffer.
         count: the global count per channel (at least 2), from :func:`read_header`.
         shift: the float64 ``(C,)`` shift of this rank's centered batch.
-        ndim: number of dimensions of the input.
     """
     mean, var = global_moments(buffer, count)
     scale = (var + eps).rsqrt_()
@@ -222,28 +215,19 @@ def batch_statistics(
     offset = (
         (shift - mean).mul_(scale) if bias is None else torch.addcmul(bias, shift - mean, scale)
     )
-    rows = torch.stack(
-        [mean, var, var * (count / (count - 1)), scale, offset, scale * (-1 / count)]
-    )
-    mean, var, unbiased_var, scale, offset, grad_scale = rows.to(dtype).unbind()
-    return BatchStatistics(
-        mean,
-        var,
-        unbiased_var,
-        _channel_view(scale, ndim),
-        _channel_view(offset, ndim),
-        grad_scale,
-    )
+    return BatchStatistics(torch.stack([mean, var, scale]).to(dtype), offset.to(dtype))
 
 
-def normalize_(centered: torch.Tensor, stats: BatchStatistics) -> torch.Tensor:
+def normalize_(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Turn the shifted batch into the normalized output, in place (two fused passes).
 
     ``y = (x - mean) * a + b = centered * a + (b + (shift - mean) * a)`` with
-    ``a = weight / sqrt(var + eps)``. (A single broadcasting ``addcmul`` is several
-    times slower than ``mul_`` + ``add_`` on contiguous NCHW input on CPU.)
+    ``a = weight / sqrt(var + eps)`` (``scale``) and the bracket ``offset``, both ``(C,)``.
+    (A single broadcasting ``addcmul`` is several times slower than ``mul_`` + ``add_``
+    on contiguous NCHW input on CPU.)
     """
-    return centered.mul_(stats.scale).add_(stats.offset)
+    ndim = centered.dim()
+    return centered.mul_(_channel_view(scale, ndim)).add_(_channel_view(offset, ndim))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -350,9 +334,12 @@ def backward_sums(
 def input_grad(
     grad_output: torch.Tensor,
     input: torch.Tensor,
-    stats: BatchStatistics,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    scale: torch.Tensor,
     eps: float,
     totals: torch.Tensor,
+    count: int,
 ) -> torch.Tensor:
     r"""Input gradient of batch normalization given the *global* reductions.
 
@@ -366,18 +353,18 @@ def input_grad(
     ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
 
     Args:
-        stats: the forward's statistics; ``stats.grad_scale`` is
-            :math:`-\gamma\sigma^{-1} / N`.
+        mean, var, scale: the forward's statistics (:attr:`BatchStatistics.saved`);
+            ``scale`` is :math:`\gamma\sigma^{-1}`.
         totals: ``(2, C)``: the global ``sum(dy)`` and ``sum(dy * xhat)``.
+        count: the global count per channel.
     """
     correction_bias, correction_weight = (
-        totals.to(stats.grad_scale.dtype).mul_(stats.grad_scale).unbind()
+        totals.to(scale.dtype).mul_(scale).mul_(-1.0 / count).unbind()
     )
     correction = torch.batch_norm(
-        input, correction_weight, correction_bias, stats.mean, stats.var, False, 0.0, eps, False
+        input, correction_weight, correction_bias, mean, var, False, 0.0, eps, False
     )
-    scale = stats.scale
     if scale.dtype != grad_output.dtype:
         # low precision: a mixed-dtype addcmul_ is ~25x slower than one in the gradient's dtype
         scale = scale.to(grad_output.dtype)
-    return correction.addcmul_(grad_output, scale)
+    return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))
