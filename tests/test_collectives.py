@@ -150,3 +150,30 @@ def test_functional_form_matches_batch_norm(pool: WorkerPool) -> None:
     for result in pool.run(_functional_matches):
         for key, error in result.items():
             assert error < 1e-12, key
+
+
+def _saved_bytes(rank: int, world_size: int, layer_class: str) -> int:
+    """Bytes of the distinct storages autograd keeps for one layer's backward."""
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(8) if layer_class == "sync" else torch.nn.BatchNorm2d(8)
+    x = torch.randn(3, 8, 5, 5, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = layer(x)
+    y.sum().backward()  # the saved tensors are the ones backward needs
+    return sum(storages.values())
+
+
+def test_saves_no_more_for_backward_than_batchnorm(pool2: WorkerPool) -> None:
+    """Every tensor backward needs goes through save_for_backward, and no more than BatchNorm's."""
+    synced = pool2.run(_saved_bytes, "sync")
+    plain = pool2.run(_saved_bytes, "plain")
+    input_bytes = 3 * 8 * 5 * 5 * 4
+    for sync_bytes, plain_bytes in zip(synced, plain):
+        assert input_bytes < sync_bytes <= plain_bytes
