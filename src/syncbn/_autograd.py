@@ -157,7 +157,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             total, square_total, shift64 = _stats.shifted_sums(centered, shift)
         else:  # an empty local batch still joins the collective, with zeros
             total, square_total = _stats.local_sums(input)
-            shift64 = total
+            shift64 = total  # any shift: it only enters the offset, unused for an empty batch
         buffer = _stats.pack_forward(local_count, total, square_total, layer.fingerprint)
         buffer = reducer.all_reduce(buffer, "forward")
 

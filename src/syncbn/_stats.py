@@ -234,10 +234,10 @@ def normalize_(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
 def _buffer_ends(
     fingerprint: int, count: int | None, error: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The constant head and trailer of a buffer (``count`` is ``None`` for backward buffers).
+    """The head and trailer of a buffer (``count`` is ``None`` for backward buffers).
 
-    A layer sends the same ones at every step, so they are built once; ``torch.cat``
-    never writes to them.
+    They depend only on the layer and the local count, which usually repeat from step
+    to step, so they are built once per combination; ``torch.cat`` never writes to them.
     """
     f = float(fingerprint)
     head = [float(error), f, f * f] + ([] if count is None else [float(count)])
