@@ -20,7 +20,7 @@ microseconds, so the script also counts minor page faults per call, and repeats 
 whole measurement in a child process with glibc's trimming and mmap thresholds raised
 (``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``, for both variants alike): the
 compute without the page-fault lottery. The targets are judged on the default
-allocator; the second column is evidence.
+allocator; the no-trim columns are evidence.
 """
 
 from __future__ import annotations
