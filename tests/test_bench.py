@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -356,3 +358,19 @@ def _short_median_ms(fn: Any) -> float:
     from torch.utils.benchmark import Timer
 
     return float(Timer("fn()", globals={"fn": fn}).timeit(20).median * 1e3)
+
+
+def test_compare_times_a_revision_against_the_working_tree(tmp_path: Path) -> None:
+    """benchmarks/compare.py imports both versions and writes one row per shape.
+
+    It runs in its own process: it swaps the ``syncbn`` modules in ``sys.modules``.
+    """
+    out = tmp_path / "compare.md"
+    command = [sys.executable, str(BENCHMARKS / "compare.py"), "HEAD", "--shapes", "4x3x5x5"]
+    subprocess.run(
+        [*command, "--seconds", "0.2", "--out", str(out)], check=True, timeout=120, cwd=tmp_path
+    )
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 4x3x5x5 |")]
+    assert len(rows) == 1
+    ratio = float(rows[0].rstrip(" |").rsplit("|", 1)[-1].strip().rstrip("x"))
+    assert ratio > 0

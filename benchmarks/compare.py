@@ -1,0 +1,170 @@
+"""SyncBatchNorm's compute per call at another git revision against the working tree.
+
+    python benchmarks/compare.py 2134f00            # prints a table, writes compare.md
+    MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 \\
+        python benchmarks/compare.py 2134f00        # the same without page faults
+
+Both versions of ``syncbn`` are imported into one process (the revision's ``src/``
+from ``git archive``, then the working tree's), and their autograd functions are timed
+on the same tensors in interleaved blocks of about 5 ms, with the collective replaced
+as in compute.py (two ranks with identical data). Interleaving in one process is what
+makes a 10% difference visible on a machine whose speed drifts by more than that
+between runs. Reported: the 20th percentile and the median of the per-call times of
+each version over all blocks, and BatchNorm's for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from compute import _TwoIdenticalRanks
+
+HERE = Path(__file__).parent
+REPO = HERE.parent
+SHAPES = ["16x1024", "8x64x8x8", "2x64x56x56", "2x64x56x56:cl", "8x256x14x14", "32x512x7x7"]
+SHAPES += ["2x64x56x56:bf16"]
+
+
+def _import_autograd(source_dir: Path | None) -> ModuleType:
+    """``syncbn._autograd`` from ``source_dir`` (a ``src/`` tree), or from the installed tree."""
+    for name in [m for m in sys.modules if m == "syncbn" or m.startswith("syncbn.")]:
+        del sys.modules[name]
+    if source_dir is not None:
+        sys.path.insert(0, str(source_dir))
+    try:
+        import syncbn._autograd as autograd
+    finally:
+        if source_dir is not None:
+            sys.path.remove(str(source_dir))
+    return autograd
+
+
+def _extract_source(revision: str, into: Path) -> Path:
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", revision, "src/syncbn"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def _parse(spec: str) -> tuple[tuple[int, ...], torch.dtype, bool]:
+    shape, *flags = spec.split(":")
+    dtype = torch.bfloat16 if "bf16" in flags else torch.float32
+    return tuple(int(size) for size in shape.split("x")), dtype, "cl" in flags
+
+
+def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[], object]]:
+    shape, dtype, channels_last = _parse(spec)
+    x = torch.randn(shape).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    dy = torch.randn_like(x)
+    weight = torch.rand(shape[1], requires_grad=True)
+    bias = torch.zeros(shape[1], requires_grad=True)
+    reducer = _TwoIdenticalRanks()
+
+    def syncbn(module: ModuleType) -> Callable[[], object]:
+        layer = module.LayerInfo("compare", shape[1])
+
+        def step() -> object:
+            output = module.sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)
+            output = output[0] if isinstance(output, tuple) else output  # older revisions
+            return torch.autograd.grad(output, (x, weight, bias), dy)
+
+        return step
+
+    def batchnorm() -> object:
+        output = F.batch_norm(x, None, None, weight, bias, True)
+        return torch.autograd.grad(output, (x, weight, bias), dy)
+
+    return {"BatchNorm": batchnorm, **{name: syncbn(m) for name, m in modules.items()}}
+
+
+def _interleaved_ms(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, list[float]]:
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    start = time.perf_counter()
+    next(iter(fns.values()))()
+    calls = max(1, int(0.005 / max(time.perf_counter() - start, 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return times
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revision", help="git revision to compare the working tree with")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="e.g. 2x64x56x56:cl:bf16")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per shape (default 5)")
+    parser.add_argument("--out", type=Path, default=HERE / "compare.md", help="markdown output")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _import_autograd(_extract_source(args.revision, Path(tmp)))
+        if not str(base.__file__).startswith(tmp):
+            raise RuntimeError(f"expected syncbn from {tmp}, imported {base.__file__}")
+        current = _import_autograd(None)
+    modules = {args.revision: base, "working tree": current}
+    rows = []
+    for spec in args.shapes:
+        times = _interleaved_ms(_variants(spec, modules), args.seconds)
+        rows.append(
+            (spec, {name: (_quantile(t, 0.2), _quantile(t, 0.5)) for name, t in times.items()})
+        )
+    names = ["BatchNorm", *modules]
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    malloc = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("MALLOC_")]
+    lines = [
+        f"# SyncBatchNorm compute: {args.revision} against the working tree",
+        "",
+        f"Generated by `python benchmarks/compare.py {args.revision}` on {date}; torch "
+        f"{torch.__version__}; 1 thread; {args.seconds:g} s of interleaved ~5 ms blocks per "
+        "shape. ms per forward+backward call, 20th percentile / median over the blocks. "
+        f"Allocator: glibc, {' '.join(malloc) if malloc else 'default settings'}. "
+        "See the script's docstring.",
+        "",
+        "| shape | " + " | ".join(names) + " | working tree / revision (p20) |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+    for spec, result in rows:
+        cells = " | ".join(f"{result[n][0]:.3f} / {result[n][1]:.3f}" for n in names)
+        change = result["working tree"][0] / result[args.revision][0]
+        lines.append(f"| {spec} | {cells} | {change:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
