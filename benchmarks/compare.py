@@ -82,9 +82,12 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
 
     def syncbn(module: ModuleType) -> Callable[[], object]:
         layer = module.LayerInfo("compare", shape[1])
+        # the internal entry took (x, weight, bias, eps, reducer, layer) before TrainOptions
+        options = getattr(module, "TrainOptions", None)
+        arguments = (1e-5, reducer, layer) if options is None else (options(reducer, layer),)
 
         def step() -> object:
-            output = module.sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)
+            output = module.sync_batch_norm_train(x, weight, bias, *arguments)
             output = output[0] if isinstance(output, tuple) else output  # older revisions
             return torch.autograd.grad(output, (x, weight, bias), dy)
 

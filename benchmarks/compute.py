@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
-from syncbn._autograd import LayerInfo, sync_batch_norm_train
+from syncbn._autograd import LayerInfo, TrainOptions, sync_batch_norm_train
 
 SHAPES = [
     (2, 64, 56, 56),
@@ -93,11 +93,10 @@ def _case(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool) -> di
     channels = shape[1]
     weight = torch.rand(channels, requires_grad=True)
     bias = torch.zeros(channels, requires_grad=True)
-    layer = LayerInfo("bench", channels)
-    reducer = _TwoIdenticalRanks()
+    options = TrainOptions(_TwoIdenticalRanks(), LayerInfo("bench", channels))
 
     def syncbn() -> None:
-        y = sync_batch_norm_train(x, weight, bias, 1e-5, reducer, layer)
+        y = sync_batch_norm_train(x, weight, bias, options)
         torch.autograd.grad(y, (x, weight, bias), dy)
 
     def batchnorm() -> None:

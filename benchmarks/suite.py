@@ -247,31 +247,34 @@ def _block_fns(case: dict[str, Any], rank: int, device: torch.device) -> dict[st
 def _syncbn_phases(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
-    """SyncBatchNorm's own large-tensor steps (``syncbn._stats``), to time without collectives.
+    """SyncBatchNorm's own large-tensor steps (``syncbn._kernels``), to time without collectives.
 
     These call private functions of the core directly: when the core changes them,
     this breaks loudly and is updated with it.
     """
-    from syncbn import _stats
+    from syncbn import _protocol, _stats
+    from syncbn._kernels import kernels_for
 
+    kernels = kernels_for(x.device)
     eps = 1e-5
     count = x.numel() // x.shape[1]
-    total, square_total = _stats.local_sums(x)
-    buffer = _stats.pack_forward(count, total, square_total, fingerprint=0)
-    stats = _stats.batch_statistics(
-        buffer, count, eps, weight, weight, torch.zeros_like(total), weight.dtype
+    moments = kernels.local_moments(x)
+    buffer = _protocol.pack_forward(count, moments.total, moments.square_total, fingerprint=0)
+    mean, var, scale = _stats.global_statistics(
+        _protocol.forward_sums(buffer), count, eps, weight
     )
-    mean, var, scale = stats.saved.unbind()
-    sum_dy, sum_dy_xhat = _stats.backward_sums(dy, x, mean, var, eps)
+    saved = torch.stack([mean, var, scale]).to(weight.dtype)
+    mean, var, scale = saved.unbind()
+    sum_dy, sum_dy_xhat = kernels.backward_reduce(dy, x, mean, var, eps)
     totals = torch.stack([sum_dy, sum_dy_xhat]).double()
     return {
-        "syncbn:local_sums": functools.partial(_stats.local_sums, x),
+        "syncbn:local_sums": functools.partial(kernels.local_moments, x),
         "syncbn:normalize": functools.partial(
             F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
         ),
-        "syncbn:backward_sums": functools.partial(_stats.backward_sums, dy, x, mean, var, eps),
+        "syncbn:backward_sums": functools.partial(kernels.backward_reduce, dy, x, mean, var, eps),
         "syncbn:input_grad": functools.partial(
-            _stats.input_grad, dy, x, mean, var, scale, eps, totals, count
+            kernels.input_grad, dy, x, saved, eps, totals, count
         ),
     }
 

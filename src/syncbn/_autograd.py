@@ -1,25 +1,37 @@
-"""The autograd function behind SyncBatchNorm in training.
+"""The autograd function behind SyncBatchNorm in training: one collective each way.
 
-One collective in forward, one in backward.
+Each direction is local maths (:mod:`syncbn._kernels`), one collective of a packed buffer
+(:mod:`syncbn._protocol`, summed by a :class:`Reducer`), then global maths
+(:mod:`syncbn._stats`). :func:`forward_train` and :func:`backward_train` hold that
+sequence once; the autograd Function here and the custom ops that ``torch.compile``
+traces (:mod:`syncbn._compiled`) both call them.
+
+A training call reads nothing back from the device unless its checks run at once
+(``"immediate"``, the default on CPU): the global count stays a tensor on the device,
+and the running statistics are updated with device-side factors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from syncbn import _stats, distributed
+from syncbn import _protocol, _stats, distributed
+from syncbn._kernels import kernels_for
 
 __all__ = [
     "LayerInfo",
     "ProcessGroupReducer",
     "Reducer",
+    "TrainOptions",
+    "backward_train",
+    "forward_train",
+    "input_problem",
     "is_recomputing",
-    "report_invalid_input",
     "sync_batch_norm_train",
 ]
 
@@ -39,6 +51,32 @@ def is_recomputing() -> bool:
     """
     current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     return current_graph_task_id is not None and current_graph_task_id() != -1
+
+
+def input_problem(
+    input: torch.Tensor,
+    num_features: int | None,
+    param_device: torch.device | None = None,
+    layer_kind: str = "SyncBatchNorm",
+) -> Exception | None:
+    """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch."""
+    if input.dim() < 2:
+        return ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+    if num_features is not None and input.shape[1] != num_features:
+        return ValueError(
+            f"expected input with {num_features} channels (num_features={num_features}), "
+            f"got input of shape {tuple(input.shape)} with {input.shape[1]} channels"
+        )
+    if not input.is_floating_point():
+        return TypeError(
+            f"{layer_kind} expects a floating point input, got input of dtype {input.dtype}"
+        )
+    if param_device is not None and input.device != param_device:
+        return RuntimeError(
+            "Expected input and the layer's parameters and buffers to be on the same device, "
+            f"got input on {input.device} and parameters on {param_device}"
+        )
+    return None
 
 
 class Reducer(Protocol):
@@ -73,6 +111,7 @@ class ProcessGroupReducer:
     participants: str = "ranks"
 
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        distributed.check_device_backend(buffer.device, self.group)
         return distributed.all_reduce_sum_(buffer, self.group)
 
 
@@ -81,56 +120,194 @@ class LayerInfo:
     """What identifies one call of a SyncBatchNorm layer in error messages and fingerprints.
 
     Attributes:
-        name: the layer's module path (set by ``convert_sync_batchnorm``), or ``""``.
+        name: the layer's identity: its module path (set by ``convert_sync_batchnorm``),
+            ``"#k"`` for the k-th SyncBatchNorm built in this process, or ``""``.
         num_features: the layer's channel count.
-        call_index: how many synchronized calls this layer had made before this one.
+        call_index: how many synchronized calls this layer had made before this one, or
+            ``None`` where unknown.
         check_layer_order: whether the fingerprint is checked after each collective.
+        check_mode: ``"auto"``, ``"immediate"`` or ``"deferred"`` (see :mod:`syncbn._protocol`).
     """
 
     name: str
     num_features: int
-    call_index: int = 0
+    call_index: int | None = 0
     check_layer_order: bool = True
+    check_mode: str = "auto"
 
     @property
     def fingerprint(self) -> int:
-        return _stats.fingerprint(self.name, self.num_features) if self.check_layer_order else 0
+        return _protocol.fingerprint(self.name, self.num_features) if self.check_layer_order else 0
 
     def describe(self) -> str:
         name = repr(self.name) if self.name else "<unnamed>"
-        return (
-            f"SyncBatchNorm layer {name} (num_features={self.num_features}, call {self.call_index})"
+        call = "" if self.call_index is None else f", call {self.call_index}"
+        return f"SyncBatchNorm layer {name} (num_features={self.num_features}{call})"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Everything about one synchronized training call that is not a tensor.
+
+    Attributes:
+        reducer: sums the packed buffers over the participants.
+        layer: the calling layer's identity and check settings.
+        eps: added to the variance.
+        momentum: the running statistics' factor, or ``None`` for a cumulative average
+            (``1 / (num_batches_tracked + 1)``).
+    """
+
+    reducer: Reducer
+    layer: LayerInfo
+    eps: float = 1e-5
+    momentum: float | None = 0.1
+
+    def header_check(
+        self, phase: str, input_size: tuple[int, ...] | None = None
+    ) -> _protocol.HeaderCheck:
+        return _protocol.HeaderCheck(
+            world_size=self.reducer.world_size,
+            participants=self.reducer.participants,
+            fingerprint=self.layer.fingerprint,
+            check_fingerprint=self.layer.check_layer_order,
+            layer=self.layer.describe(),
+            phase=phase,
+            same_calls_rule=_SAME_CALLS_RULE,
+            input_size=input_size,
         )
 
 
-def _check_header(header: _stats.Header, world_size: int, layer: LayerInfo, phase: str) -> None:
-    """Raise on every rank if a rank reported invalid input or ranks reached different layers."""
-    if header.errors:
-        raise RuntimeError(
-            f"{header.errors} other rank(s) reported invalid input to their SyncBatchNorm layer in "
-            f"{phase} while this rank was at {layer.describe()}; see the error raised on that rank"
-        )
-    own = layer.fingerprint
-    if (
-        header.fingerprint_sum != world_size * own
-        or header.fingerprint_square_sum != world_size * own * own
-        or header.trailer_sum != world_size * own
-    ):
-        raise RuntimeError(
-            f"SyncBatchNorm layer mismatch in {phase}: this rank is at {layer.describe()}, but "
-            f"other ranks of the process group are at a different layer in the same collective; "
-            f"{_SAME_CALLS_RULE}. To disable this check set `check_layer_order = False` on the "
-            "layers (or pass check_layer_order=False to convert_sync_batchnorm)."
-        )
+def _join_with_error(options: TrainOptions, phase: str, device: torch.device) -> None:
+    """Join ``phase``'s collective with the error flag set, so that no other rank waits.
+
+    Called while an exception is propagating; a failure of the collective itself (peers
+    gone) must not replace that exception, so it is dropped.
+    """
+    layer = options.layer
+    zeros = torch.zeros(layer.num_features, dtype=_protocol.PACK_DTYPE, device=device)
+    if phase == "forward":
+        buffer = _protocol.pack_forward(0, zeros, zeros, layer.fingerprint, error=True)
+    else:
+        buffer = _protocol.pack_backward(zeros, zeros, layer.fingerprint, error=True)
+    try:
+        options.reducer.all_reduce(buffer, phase)
+    except Exception:  # noqa: BLE001 - the original exception is the one to report
+        pass
 
 
-def report_invalid_input(
-    layer: LayerInfo, device: torch.device, group: dist.ProcessGroup | None
-) -> None:
-    """Join the forward collective with an error flag, so that other ranks raise, not wait."""
-    zeros = torch.zeros(layer.num_features, dtype=torch.float64, device=device)
-    buffer = _stats.pack_forward(0, zeros, zeros, layer.fingerprint, error=True)
-    distributed.all_reduce_sum_(buffer, group)
+class ForwardResult(NamedTuple):
+    """What a training forward returns, and what its backward needs."""
+
+    output: torch.Tensor
+    #: ``(3, C)`` mean, biased variance and ``weight / sqrt(var + eps)``, statistics dtype
+    saved: torch.Tensor
+    #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
+    count: int | torch.Tensor
+
+
+def _first_device(input: torch.Tensor, *tensors: torch.Tensor | None) -> torch.device:
+    """Where the layer's parameters live (the other ranks' buffers live there too)."""
+    return next((t.device for t in tensors if t is not None), input.device)
+
+
+def forward_train(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+) -> ForwardResult:
+    """Normalize ``input`` with the global batch's statistics; update the running statistics.
+
+    Any exception before the collective (invalid input, an error in the local maths)
+    joins the collective with the error flag and is re-raised, so that the other ranks
+    raise promptly instead of waiting for the process group's timeout.
+    """
+    device = _first_device(input, weight, bias, running_mean, running_var)
+    mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
+    num_channels = options.layer.num_features
+    kernels = kernels_for(input.device)
+    try:
+        if mode == "deferred":
+            _protocol.raise_deferred()  # a problem of an earlier call, now arrived
+        problem = input_problem(input, num_channels, device)
+        if problem is not None:
+            raise problem
+        local_count = input.numel() // num_channels
+        moments = kernels.local_moments(input)
+        buffer = _protocol.pack_forward(
+            local_count, moments.total, moments.square_total, options.layer.fingerprint
+        )
+    except Exception:
+        _join_with_error(options, "forward", device)
+        raise
+    buffer = options.reducer.all_reduce(buffer, "forward")
+
+    check = options.header_check("forward", tuple(input.shape))
+    count: int | torch.Tensor
+    factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
+    if mode == "immediate":
+        count = _protocol.check_now(buffer, check).global_count
+        if options.momentum is None and num_batches_tracked is not None:
+            factor = 1.0 / (float(num_batches_tracked) + 1.0)
+    else:
+        _protocol.defer_check(buffer, check)
+        count = _protocol.count_slot(buffer)
+        if options.momentum is None and num_batches_tracked is not None:
+            factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
+        # a call whose checks fail moves no running statistics
+        ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
+        factor = ok * factor
+
+    mean, var, scale = _stats.global_statistics(
+        _protocol.forward_sums(buffer), count, options.eps, weight
+    )
+    saved = torch.stack([mean, var, scale]).to(_stats.stat_dtype(input.dtype))
+    output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps)
+    if not is_recomputing():  # a checkpointed forward already updated them
+        _stats.update_running_stats(running_mean, running_var, mean, var, count, factor)
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+    return ForwardResult(output, saved, count)
+
+
+def backward_train(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    count: int | torch.Tensor,
+    needs_grad: tuple[bool, bool, bool],
+    options: TrainOptions,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of input, weight and bias (``None`` where ``needs_grad`` is false).
+
+    The collective happens only when the input needs a gradient, which is the same on
+    every rank. An exception before it joins it with the error flag, as in forward.
+    """
+    need_input, need_weight, need_bias = needs_grad
+    mean, var, _ = saved.unbind()
+    kernels = kernels_for(input.device)
+    try:
+        sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
+        if need_input:
+            buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
+    except Exception:
+        if need_input:
+            _join_with_error(options, "backward", saved.device)
+        raise
+    grad_input = None
+    if need_input:
+        buffer = options.reducer.all_reduce(buffer, "backward")
+        check = options.header_check("backward")
+        if _protocol.resolve_check_mode(options.layer.check_mode, saved.device) == "immediate":
+            _protocol.check_now(buffer, check)
+        else:
+            _protocol.defer_check(buffer, check)
+        totals = _protocol.backward_totals(buffer)
+        grad_input = kernels.input_grad(grad_output, input, saved, options.eps, totals, count)
+    return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -142,67 +319,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         input: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
-        eps: float,
-        reducer: Reducer,
-        layer: LayerInfo,
         running_mean: torch.Tensor | None,
         running_var: torch.Tensor | None,
-        momentum: float,
+        num_batches_tracked: torch.Tensor | None,
+        options: TrainOptions,
     ) -> torch.Tensor:
-        num_channels = input.shape[1]
-        local_count = input.numel() // num_channels
-        dtype = _stats.stat_dtype(input.dtype)
-        if local_count:
-            centered, shift = _stats.center(input)
-            total, square_total, shift64 = _stats.shifted_sums(centered, shift)
-        else:  # an empty local batch still joins the collective, with zeros
-            total, square_total = _stats.local_sums(input)
-            shift64 = total  # any shift: it only enters the offset, unused for an empty batch
-        buffer = _stats.pack_forward(local_count, total, square_total, layer.fingerprint)
-        buffer = reducer.all_reduce(buffer, "forward")
-
-        # One small host read serves both checks; on CPU it is free, on accelerators it waits
-        # for the collective that the normalization below needs anyway.
-        header = _stats.read_header(buffer)
-        _check_header(header, reducer.world_size, layer, "forward")
-        count = header.global_count
-        if count <= 1:
-            raise ValueError(
-                "Expected more than 1 value per channel when training, got input size "
-                f"{input.size()} here and {count} value(s) per channel across all "
-                f"{reducer.world_size} {reducer.participants}"
-            )
-
-        stats = _stats.batch_statistics(buffer, count, eps, weight, bias, shift64, dtype)
-        mean, var, scale = stats.saved.unbind()
-        if local_count and dtype == input.dtype:
-            # float32/float64: the shifted copy becomes the output, no second allocation
-            output = _stats.normalize_(centered, scale, stats.offset)
-        else:  # low-precision input (float32 statistics) or an empty batch
-            output = torch.batch_norm(
-                input,
-                None if weight is None else weight.to(dtype),
-                None if bias is None else bias.to(dtype),
-                mean,
-                var,
-                False,
-                0.0,
-                eps,
-                False,
-            )
-        if running_mean is not None:
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        if running_var is not None:
-            unbiased_var = var * (count / (count - 1))
-            running_var.lerp_(unbiased_var.to(running_var.dtype), momentum)
-        ctx.save_for_backward(input, stats.saved)
-        ctx.count = count
-        ctx.eps = eps
-        ctx.reducer = reducer
-        ctx.layer = layer
-        ctx.weight_dtype = None if weight is None else weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return output
+        result = forward_train(
+            input, weight, bias, running_mean, running_var, num_batches_tracked, options
+        )
+        ctx.save_for_backward(input, result.saved)
+        ctx.count = result.count
+        ctx.options = options
+        ctx.param_dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
+        return result.output
 
     @staticmethod
     @once_differentiable
@@ -210,51 +342,47 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         input, saved = ctx.saved_tensors
-        mean, var, scale = saved.unbind()
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = _stats.backward_sums(grad_output, input, mean, var, ctx.eps)
-
-        grad_input: torch.Tensor | None = None
-        if need_input:
-            buffer = _stats.pack_backward(sum_dy, sum_dy_xhat, ctx.layer.fingerprint)
-            buffer = ctx.reducer.all_reduce(buffer, "backward")
-            if ctx.layer.check_layer_order:
-                _check_header(
-                    _stats.read_header(buffer), ctx.reducer.world_size, ctx.layer, "backward"
-                )
-            totals = _stats.backward_totals(buffer)
-            grad_input = _stats.input_grad(
-                grad_output, input, mean, var, scale, ctx.eps, totals, ctx.count
-            )
-        grad_weight = _cast(sum_dy_xhat, ctx.weight_dtype) if need_weight else None
-        grad_bias = _cast(sum_dy, ctx.bias_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        grad_input, grad_weight, grad_bias = backward_train(
+            grad_output, input, saved, ctx.count, tuple(ctx.needs_input_grad[:3]), ctx.options
+        )
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        return (
+            grad_input,
+            _cast(grad_weight, weight_dtype),
+            _cast(grad_bias, bias_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    if tensor is None or dtype is None or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
 
 
 def sync_batch_norm_train(
     input: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    eps: float,
-    reducer: Reducer,
-    layer: LayerInfo,
+    options: TrainOptions,
+    *,
     running_mean: torch.Tensor | None = None,
     running_var: torch.Tensor | None = None,
-    momentum: float = 0.0,
+    num_batches_tracked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Normalize ``input`` with statistics of the global batch of ``reducer``'s participants.
+    """Normalize ``input`` with statistics of the global batch of ``options.reducer``'s participants.
 
-    ``running_mean`` and ``running_var``, those given, move towards the global mean
-    and unbiased variance by ``momentum``, in place.
+    ``running_mean`` and ``running_var``, those given, move towards the global mean and
+    unbiased variance by ``options.momentum`` in place, and ``num_batches_tracked`` counts
+    the call, except in a forward recomputed by activation checkpointing.
 
     Returns:
         The normalized output (differentiable with respect to input, weight and bias).
     """
     output: torch.Tensor = _SyncBatchNormFunction.apply(
-        input, weight, bias, eps, reducer, layer, running_mean, running_var, momentum
+        input, weight, bias, running_mean, running_var, num_batches_tracked, options
     )
     return output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -9,23 +10,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn._autograd import LayerInfo, is_recomputing
-from syncbn.functional import _input_problem, _sync_batch_norm
+from syncbn import _compiled, distributed
+from syncbn._autograd import (
+    LayerInfo,
+    ProcessGroupReducer,
+    TrainOptions,
+    input_problem,
+    is_recomputing,
+    sync_batch_norm_train,
+)
 
-__all__ = ["SyncBatchNorm", "momentum_factor"]
+__all__ = ["SyncBatchNorm"]
 
-
-def momentum_factor(module: _BatchNorm) -> float:
-    """The running-statistics factor of ``module``'s next training step, as torch computes it.
-
-    ``momentum``, or with ``momentum=None`` the cumulative-average factor
-    ``1 / (num_batches_tracked + 1)`` (the counter is incremented after the update).
-    """
-    if module.momentum is not None:
-        return module.momentum
-    if module.track_running_stats and module.num_batches_tracked is not None:
-        return 1.0 / float(module.num_batches_tracked + 1)
-    return 0.0
+#: numbers SyncBatchNorm layers in construction order, per process: the identity of a layer
+#: that has no module path (``layer_name``) in the layer-order check
+_construction_order = itertools.count()
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -115,19 +114,61 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.layer_name = ""
         self.check_layer_order = True
+        self.check_mode = "auto"
         self.last_input_dim: int | None = None
         self._sync_calls = 0
+        self._construction_index = next(_construction_order)
+        self._site_key = _compiled.register_site(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling: a new object needs its own key for the compiled ops
+        # (the construction index is kept: it is the same layer of the same model code)
+        super().__setstate__(state)
+        self._site_key = _compiled.register_site(self)
+
+    @property
+    def layer_identity(self) -> str:
+        """The name that identifies this layer in the layer-order check, the same on every rank.
+
+        Its module path (``layer_name``, set by :func:`syncbn.convert_sync_batchnorm`), or for
+        a layer built directly ``"#k"``: the k-th SyncBatchNorm constructed in this process.
+        """
+        return self.layer_name or f"#{self._construction_index}"
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
-        problem = _input_problem(input, self.num_features)
+        problem = input_problem(input, self.num_features)
         if problem is not None:
             raise problem
 
+    def _layer_info(self, call_index: int | None) -> LayerInfo:
+        return LayerInfo(
+            self.layer_identity,
+            self.num_features,
+            call_index,
+            self.check_layer_order,
+            self.check_mode,
+        )
+
+    def _train_options(self, layer: LayerInfo) -> TrainOptions:
+        group = self.process_group
+        reducer = ProcessGroupReducer(group, distributed.get_world_size(group))
+        return TrainOptions(reducer, layer, self.eps, self.momentum)
+
+    def next_train_options(self) -> TrainOptions:
+        """The options of this layer's next synchronized call; counts the call."""
+        layer = self._layer_info(self._sync_calls)
+        self._sync_calls += 1
+        return self._train_options(layer)
+
+    def last_train_options(self) -> TrainOptions:
+        """The options of this layer's calls, without a call index (for a compiled backward)."""
+        return self._train_options(self._layer_info(None))
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self.last_input_dim = input.dim()
         if not self.training:
             # Eval never communicates: exactly torch's BatchNorm.
             self._check_input_dim(input)
-            self.last_input_dim = input.dim()
             bn_training = self.running_mean is None and self.running_var is None
             return F.batch_norm(
                 input,
@@ -139,30 +180,58 @@ class SyncBatchNorm(_BatchNorm):
                 0.0,
                 self.eps,
             )
-
-        layer = LayerInfo(
-            self.layer_name, self.num_features, self._sync_calls, self.check_layer_order
-        )
-        # A forward recomputed by activation checkpointing updates no running statistics.
-        recomputing = is_recomputing()
-        factor = momentum_factor(self)
-        output = _sync_batch_norm(
+        if distributed.get_world_size(self.process_group) <= 1:
+            return self._local_training_forward(input)
+        tracking = self.track_running_stats
+        running_mean = self.running_mean if tracking else None
+        running_var = self.running_var if tracking else None
+        num_batches_tracked = self.num_batches_tracked if tracking else None
+        if _compiled.is_compiling():
+            return _compiled.sync_batch_norm_train(
+                input,
+                self.weight,
+                self.bias,
+                running_mean,
+                running_var,
+                num_batches_tracked,
+                self._site_key,
+            )
+        return sync_batch_norm_train(
             input,
-            self.running_mean if self.track_running_stats else None,
-            self.running_var if self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            self.next_train_options(),
+            running_mean=running_mean,
+            running_var=running_var,
+            num_batches_tracked=num_batches_tracked,
+        )
+
+    def _local_training_forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Training without a group of several ranks: exactly torch's BatchNorm.
+
+        Except that a forward recomputed by activation checkpointing updates no running
+        statistics (torch's BatchNorm updates them twice). Under ``torch.compile`` the
+        recomputation cannot be detected, and torch's own forward runs.
+        """
+        if _compiled.is_compiling():
+            return super().forward(input)
+        self._check_input_dim(input)
+        update = self.track_running_stats and not is_recomputing()
+        factor = 0.0 if self.momentum is None else self.momentum
+        if update and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return F.batch_norm(
+            input,
+            self.running_mean if update else None,
+            self.running_var if update else None,
             self.weight,
             self.bias,
             True,
             factor,
             self.eps,
-            self.process_group,
-            layer,
         )
-        if self.track_running_stats and self.num_batches_tracked is not None and not recomputing:
-            self.num_batches_tracked.add_(1)
-        self.last_input_dim = input.dim()
-        self._sync_calls += 1
-        return output
 
     @classmethod
     def convert_sync_batchnorm(

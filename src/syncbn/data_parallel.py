@@ -16,7 +16,7 @@ DataParallel copies the model for every forward call. :class:`DataParallelWithCa
 it, where ``ctx`` is one object shared by the copies of the same submodule. The copies
 of a synchronized layer use it to share one rendezvous. In training, each copy packs
 its local moments into a small float64 buffer (the same buffer as the distributed
-path, built by :mod:`syncbn._stats`); copy 0 sums the buffers of all copies in copy
+path, built by :mod:`syncbn._protocol`); copy 0 sums the buffers of all copies in copy
 order on its device and hands every copy the sum on that copy's device. Backward
 exchanges the per-channel ``sum(dy)`` and ``sum(dy * xhat)`` the same way, so input
 gradients flow through the global statistics. The only difference from
@@ -42,10 +42,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn._autograd import LayerInfo, sync_batch_norm_train
-from syncbn.batchnorm import momentum_factor
+from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
 from syncbn.convert import batchnorm_twin
-from syncbn.functional import _input_problem
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -251,7 +249,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
             self._check_input_dim(input)  # BatchNorm1d/2d/3d's own dims check
         except ValueError as error:
             return error
-        return _input_problem(input, self.num_features, layer_kind=type(self).__name__)
+        return input_problem(input, self.num_features, layer_kind=type(self).__name__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rendezvous = self._replica_sync
@@ -263,29 +261,24 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if problem is not None:
             rendezvous.abort(self._replica_copy_id, problem)
             raise problem
-        tracking = self.track_running_stats and self.num_batches_tracked is not None
+        tracking = self.track_running_stats
         try:
             reducer = _ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
             layer = LayerInfo(type(self).__name__, self.num_features, self._replica_calls, False)
-            output = sync_batch_norm_train(
+            return sync_batch_norm_train(
                 input,
                 self.weight,
                 self.bias,
-                self.eps,
-                reducer,
-                layer,
-                self.running_mean if tracking else None,
-                self.running_var if tracking else None,
-                momentum_factor(self),
+                TrainOptions(reducer, layer, self.eps, self.momentum),
+                running_mean=self.running_mean if tracking else None,
+                running_var=self.running_var if tracking else None,
+                num_batches_tracked=self.num_batches_tracked if tracking else None,
             )
         except Exception as error:
             rendezvous.abort(self._replica_copy_id, error)
             raise
         finally:
             self._replica_calls += 1
-        if tracking:
-            self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
-        return output
 
 
 _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for {dims} input.

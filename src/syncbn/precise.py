@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _stats, distributed
+from syncbn import _protocol, _stats, distributed
+from syncbn._kernels import kernels_for
 
 __all__ = ["recompute_statistics"]
 
@@ -22,14 +23,25 @@ __all__ = ["recompute_statistics"]
 def _moment_collecting_forward(
     layer: _BatchNorm, sums: dict[int, torch.Tensor]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A forward for ``layer`` that records its input's moments and normalizes it locally."""
+    """A forward for ``layer`` that records its input's moments and normalizes it locally.
+
+    The batch is normalized with its own statistics, as in training, without
+    communicating; a batch of one sample per channel (or none) is valid here, since only
+    the moments summed over all batches and ranks matter.
+    """
 
     def forward(input: torch.Tensor) -> torch.Tensor:
+        layer._check_input_dim(input)
         count = input.numel() // input.shape[1]
-        packed = _stats.pack_forward(count, *_stats.local_sums(input), fingerprint=0)
+        moments = kernels_for(input.device).local_moments(input)
+        packed = _protocol.pack_forward(count, moments.total, moments.square_total, 0)
         sums[id(layer)] = packed if id(layer) not in sums else sums[id(layer)] + packed
-        # normalize with this batch's own statistics, as in training, without communicating
-        return F.batch_norm(input, None, None, layer.weight, layer.bias, True, 0.0, layer.eps)
+        local_sums = torch.stack([moments.total, moments.square_total])
+        mean, var, _ = _stats.global_statistics(local_sums, count, layer.eps, None)
+        dtype = _stats.stat_dtype(input.dtype)
+        return F.batch_norm(
+            input, mean.to(dtype), var.to(dtype), layer.weight, layer.bias, False, 0.0, layer.eps
+        )
 
     return forward
 
@@ -45,6 +57,10 @@ def _collecting_moments(layers: list[_BatchNorm]) -> Iterator[dict[int, torch.Te
     finally:
         for layer in layers:
             del layer.forward  # back to the class's forward
+
+
+def _describe(layer: _BatchNorm, names: dict[int, str]) -> str:
+    return f"{type(layer).__name__} layer '{names.get(id(layer), '?')}'"
 
 
 @torch.no_grad()
@@ -93,31 +109,69 @@ def recompute_statistics(
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     if not layers:
         return
-    with _collecting_moments(layers) as sums:
-        for batch in islice(batches, num_batches):
-            model(batch)
+    names = {id(module): name for name, module in model.named_modules()}
+    device = layers[0].running_mean.device  # type: ignore[union-attr]
+    world_size = distributed.get_world_size(process_group)
+    sums: dict[int, torch.Tensor] = {}
+    try:
+        with _collecting_moments(layers) as sums:
+            for batch in islice(batches, num_batches):
+                model(batch)
+    except Exception:
+        # join the one collective with an error flag, so that no other rank waits for it
+        if world_size > 1:
+            error = _packed(layers, {}, device)
+            error[0] = 1.0
+            try:
+                distributed.all_reduce_sum_(error, process_group)
+            except Exception:  # noqa: BLE001 - the original exception is the one to report
+                pass
+        raise
 
-    packed = []
-    for layer in layers:
-        assert layer.running_mean is not None  # track_running_stats=True
-        local = sums.get(id(layer))
-        if local is None:
-            size = _stats.forward_size(layer.num_features)
-            local = torch.zeros(size, dtype=torch.float64, device=layer.running_mean.device)
-        packed.append(local.to(layers[0].running_mean.device))  # type: ignore[union-attr]
-    buffer = torch.cat(packed)
-    if distributed.get_world_size(process_group) > 1:
+    buffer = _packed(layers, sums, device)
+    if world_size > 1:
         distributed.all_reduce_sum_(buffer, process_group)
-
-    for layer, layer_buffer in zip(layers, buffer.split([p.numel() for p in packed])):
-        count = _stats.read_header(layer_buffer).global_count
+    sizes = [_protocol.forward_size(layer.num_features) for layer in layers]
+    layer_buffers = buffer.split(sizes)
+    failed = int(_protocol.read_header(layer_buffers[0]).errors)
+    if failed:
+        raise RuntimeError(
+            f"recompute_statistics: {failed} other rank(s) of the process group failed while "
+            "running their batches; see the error raised on that rank"
+        )
+    for layer, layer_buffer in zip(layers, layer_buffers):
+        if not bool(torch.isfinite(layer_buffer).all()):
+            raise ValueError(
+                f"recompute_statistics: the inputs of {_describe(layer, names)} contain "
+                "non-finite values (inf or nan) on at least one rank; no running statistics "
+                "were changed"
+            )
+    for layer, layer_buffer in zip(layers, layer_buffers):
+        count = _protocol.read_header(layer_buffer).global_count
         if count < 2:
             warnings.warn(
-                f"recompute_statistics kept the running statistics of {type(layer).__name__}"
-                f"({layer.num_features}): it saw {count} value(s) per channel in total",
+                f"recompute_statistics kept the running statistics of {_describe(layer, names)} "
+                f"({layer.num_features} channels): it saw {count} value(s) per channel in total",
                 stacklevel=2,
             )
             continue
-        mean, var = _stats.global_moments(layer_buffer, count)
+        mean, var, _ = _stats.global_statistics(
+            _protocol.forward_sums(layer_buffer), count, 0.0, None
+        )
         layer.running_mean.copy_(mean)  # type: ignore[union-attr]
         layer.running_var.copy_(var * (count / (count - 1)))  # type: ignore[union-attr]
+
+
+def _packed(
+    layers: list[_BatchNorm], sums: dict[int, torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """Every layer's accumulated forward buffer (zeros where it saw nothing), concatenated."""
+    packed = []
+    for layer in layers:
+        local = sums.get(id(layer))
+        if local is None:
+            local = torch.zeros(
+                _protocol.forward_size(layer.num_features), dtype=torch.float64, device=device
+            )
+        packed.append(local.to(device))
+    return torch.cat(packed)

@@ -1,0 +1,72 @@
+"""Per-device statistics kernels behind one small interface.
+
+A training call needs four big passes over the data, whatever the device:
+
+- :meth:`Kernels.local_moments`: per-channel sum and sum of squares of the local batch;
+- :meth:`Kernels.normalize`: the output, given the global statistics;
+- :meth:`Kernels.backward_reduce`: per-channel ``sum(dy)`` and ``sum(dy * xhat)``;
+- :meth:`Kernels.input_grad`: the input gradient, given the global reductions.
+
+:func:`kernels_for` picks the implementation for a device. Today every device uses
+:mod:`syncbn._kernels.generic`, a composition of torch ops that exist on every device;
+a device with faster fused kernels (``cuda``, ``xpu``, ``mps``) adds one module that
+provides the same four functions and one entry in ``_BY_DEVICE_TYPE``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+from syncbn._kernels import generic
+from syncbn._kernels.generic import LocalMoments
+
+__all__ = ["Kernels", "LocalMoments", "kernels_for"]
+
+
+class Kernels(Protocol):
+    """The four passes of a synchronized training call (see :mod:`syncbn._kernels.generic`)."""
+
+    def local_moments(self, input: torch.Tensor) -> LocalMoments: ...
+
+    def normalize(
+        self,
+        input: torch.Tensor,
+        moments: LocalMoments,
+        saved: torch.Tensor,
+        mean: torch.Tensor,
+        scale: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor: ...
+
+    def backward_reduce(
+        self,
+        grad_output: torch.Tensor,
+        input: torch.Tensor,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def input_grad(
+        self,
+        grad_output: torch.Tensor,
+        input: torch.Tensor,
+        saved: torch.Tensor,
+        eps: float,
+        totals: torch.Tensor,
+        count: int | torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+#: device type -> the module implementing :class:`Kernels` for it
+_BY_DEVICE_TYPE: dict[str, ModuleType] = {}
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels for tensors on ``device``: a device-specific module, else the generic one."""
+    return _BY_DEVICE_TYPE.get(device.type, generic)  # type: ignore[return-value]

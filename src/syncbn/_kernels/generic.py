@@ -1,0 +1,210 @@
+"""Statistics kernels composed of torch ops that exist on every device.
+
+Local moments are taken on data shifted by one sample per channel: summing shifted data
+in float32 does not cancel for inputs whose mean is large compared with their spread.
+The shift is added back exactly in float64. The big passes are fused torch kernels:
+``native_batch_norm_backward`` in eval mode returns per-channel sums, eval-mode
+``batch_norm`` applies a per-channel affine map.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from syncbn._stats import stat_dtype
+
+__all__ = ["LocalMoments", "backward_reduce", "input_grad", "local_moments", "normalize"]
+
+_PACK_DTYPE = torch.float64
+
+
+class LocalMoments(NamedTuple):
+    """One rank's per-channel moments, and what normalization may reuse."""
+
+    #: ``(C,)`` float64: sum of the local batch (zeros if empty)
+    total: torch.Tensor
+    #: ``(C,)`` float64: sum of squares of the local batch (zeros if empty)
+    square_total: torch.Tensor
+    #: ``(C,)`` float64: the per-channel shift subtracted before summing
+    shift: torch.Tensor
+    #: the shifted copy, in the statistics dtype and the input's memory format, or ``None``
+    centered: torch.Tensor | None
+
+
+def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
+    """View a ``(C,)`` vector so it broadcasts against an ``(N, C, *)`` tensor of ``ndim`` dims."""
+    return vector.view([1, -1] + [1] * (ndim - 2))
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(
+    num_channels: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean 0 and variance 1 (they turn batch-norm kernels into plain sums), and an empty
+    tensor for the saved statistics of an eval-mode backward (CUDA requires one)."""
+    zeros = torch.zeros(num_channels, dtype=dtype, device=device)
+    return zeros, zeros + 1, zeros.new_empty(0)
+
+
+def _center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input - shift, shift)`` with ``shift = input[0, :, 0, ...]`` in broadcast shape.
+
+    The shifted copy is in the statistics dtype and the input's memory format; for float32
+    and float64 inputs it later becomes the output, so forward allocates no more than
+    BatchNorm does.
+    """
+    dtype = stat_dtype(input.dtype)
+    ndim = input.dim()
+    detached = input.detach()
+    # a strided view of input[0, :, 0, ...] in the broadcast shape: one op instead of four
+    shift = detached.as_strided(
+        (1, input.shape[1]) + (1,) * (ndim - 2),
+        (0, input.stride(1)) + (0,) * (ndim - 2),
+        input.storage_offset(),
+    )
+    if input.dtype == dtype:
+        return torch.sub(detached, shift), shift
+    # low precision: convert, then subtract in place (a mixed-dtype subtraction is ~20x slower)
+    shift = shift.to(dtype)
+    return detached.to(dtype).sub_(shift), shift
+
+
+def local_moments(input: torch.Tensor) -> LocalMoments:
+    """Per-channel sum and sum of squares of a local ``(N, C, *)`` batch, in float64.
+
+    One fused pass of ``native_batch_norm_backward`` (eval mode, the shifted data as both
+    gradient and input, mean 0, variance 1, eps 0) sums the shifted data and their
+    squares; the shift is added back exactly in float64.
+    """
+    num_channels = input.shape[1]
+    count = input.numel() // num_channels
+    if count == 0:
+        zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
+        return LocalMoments(zeros, zeros.clone(), zeros, None)
+    centered, shift = _center(input)
+    zeros, ones, empty = _constants(num_channels, shift.dtype, shift.device)
+    _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
+        centered, centered, None, zeros, ones, empty, empty, False, 0.0, [False, True, True]
+    )
+    shift, shifted_sum, shifted_square_sum = (
+        torch.stack([shift.view(num_channels), shifted_sum, shifted_square_sum])
+        .to(_PACK_DTYPE)
+        .unbind()
+    )
+    total = torch.add(shifted_sum, shift, alpha=count)  # sum(x) = sum(x - k) + n k
+    # sum(x**2) = sum((x - k)**2) + k (2 sum(x - k) + n k) = ... + k (sum(x - k) + sum(x))
+    square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
+    return LocalMoments(total, square_total, shift, centered)
+
+
+def normalize(
+    input: torch.Tensor,
+    moments: LocalMoments,
+    saved: torch.Tensor,
+    mean: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The normalized output ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    float32/float64: written into the shifted copy in place, as ``centered * scale +
+    offset`` with ``offset = bias + (shift - mean) * scale`` computed in float64 (two
+    fused passes; a single broadcasting ``addcmul`` is several times slower on CPU).
+    Low precision or an empty batch: one eval-mode ``batch_norm`` with the saved
+    statistics.
+
+    Args:
+        saved: ``(3, C)`` mean, variance and scale in the statistics dtype.
+        mean, scale: the same mean and scale in float64.
+    """
+    dtype = saved.dtype
+    centered = moments.centered
+    if centered is None or dtype != input.dtype:
+        mean_s, var_s, _ = saved.unbind()
+        return torch.batch_norm(
+            input,
+            None if weight is None else weight.to(dtype),
+            None if bias is None else bias.to(dtype),
+            mean_s,
+            var_s,
+            False,
+            0.0,
+            eps,
+            False,
+        )
+    shifted = moments.shift - mean
+    offset = shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
+    ndim = centered.dim()
+    return centered.mul_(_channel_view(scale.to(dtype), ndim)).add_(
+        _channel_view(offset.to(dtype), ndim)
+    )
+
+
+def backward_reduce(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local per-channel ``sum(dy)`` and ``sum(dy * xhat)``, ``xhat = (x - mean) / sqrt(var + eps)``.
+
+    Both come from one fused pass of ``native_batch_norm_backward`` in eval mode, which
+    returns exactly these sums as the bias and weight gradients.
+
+    Returns:
+        ``(sum_dy, sum_dy_xhat)`` in the statistics dtype, shape ``(C,)``.
+    """
+    if input.numel() == 0:
+        zeros = mean.new_zeros(mean.shape)
+        return zeros, zeros.clone()
+    empty = _constants(mean.numel(), mean.dtype, mean.device)[2]
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, None, mean, var, empty, empty, False, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat
+
+
+def input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    eps: float,
+    totals: torch.Tensor,
+    count: int | torch.Tensor,
+) -> torch.Tensor:
+    r"""Input gradient of batch normalization given the *global* reductions.
+
+    .. math::
+        dx = \gamma \sigma^{-1} \left(dy - \overline{dy} - \hat{x}\,\overline{dy\,\hat{x}}\right),
+        \qquad \hat{x} = (x - \mu)\,\sigma^{-1}, \quad \sigma = \sqrt{var + \epsilon}
+
+    computed in two fused passes: an eval-mode ``batch_norm`` of ``x`` with weight
+    :math:`-\gamma\sigma^{-1}\overline{dy\,\hat{x}}` and bias
+    :math:`-\gamma\sigma^{-1}\overline{dy}` gives the last two terms, and one
+    ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
+
+    Args:
+        saved: ``(3, C)``: the forward's mean, variance and scale :math:`\gamma\sigma^{-1}`.
+        totals: ``(2, C)``: the global ``sum(dy)`` and ``sum(dy * xhat)``.
+        count: the global count per channel, a number or a 0-dim tensor on the device.
+    """
+    mean, var, scale = saved.unbind()
+    corrections = totals.to(scale.dtype).mul_(scale)
+    if isinstance(count, torch.Tensor):
+        corrections.div_(count.clamp(min=1).neg())
+    else:
+        corrections.mul_(-1.0 / max(count, 1))
+    correction_bias, correction_weight = corrections.unbind()
+    correction = torch.batch_norm(
+        input, correction_weight, correction_bias, mean, var, False, 0.0, eps, False
+    )
+    if scale.dtype != grad_output.dtype:
+        # low precision: a mixed-dtype addcmul_ is ~25x slower than one in the gradient's dtype
+        scale = scale.to(grad_output.dtype)
+    return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))

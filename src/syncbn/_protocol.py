@@ -1,0 +1,315 @@
+"""The packed buffer that one synchronized layer call all-reduces, and the checks it carries.
+
+Nothing here knows about processes or ``torch.distributed``: the collective that sums
+buffers lives in :mod:`syncbn.distributed`, the maths in :mod:`syncbn._stats` and
+:mod:`syncbn._kernels`.
+
+Layout
+------
+Forward: ``[error, f, f**2, n, sum(x) (C), sum(x**2) (C), f]``, ``2 * C + 5`` float64
+values whatever the world size. Backward: ``[error, f, f**2, sum(dy) (C),
+sum(dy * xhat) (C), f]``, ``2 * C + 4`` values.
+
+``error`` is 1 on a rank that failed before the collective (invalid input, or an
+exception in its local computation): it joins the collective only so that no other rank
+is left waiting. ``f`` is the layer's fingerprint: if all ranks reached the same layer,
+the sums equal ``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``,
+and if any two ranks differ, the sums differ on every rank (equal mean and mean square
+imply zero spread). The fingerprint is an integer of at most ``2**16`` so all sums are
+exact. The trailer catches ranks whose buffers differ in length (different channel
+counts): a backend that reduces only the shorter length leaves the longer buffer's last
+slot without the other ranks' share. ``n`` is the rank's count per channel; its sum, the
+global count, stays on the buffer's device.
+
+When the checks run
+-------------------
+The header of the all-reduced buffer is read back to the host and checked either at once
+(``"immediate"``: the default on CPU, where the read is free) or later
+(``"deferred"``: the default on accelerators, where a read waits for the device). A
+deferred check copies the five header numbers to pinned host memory without waiting and
+inspects them at the start of a later synchronized call, once the device has written
+them; it then raises naming the layer, the call and the direction where it went wrong.
+Until then, the call that went wrong computed with the sums it received, but it never
+moves running statistics: their update is masked on the device by the same checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "CHECK_MODES",
+    "Header",
+    "HeaderCheck",
+    "backward_size",
+    "backward_totals",
+    "check_now",
+    "count_slot",
+    "defer_check",
+    "device_ok",
+    "fingerprint",
+    "forward_size",
+    "forward_sums",
+    "pack_backward",
+    "pack_forward",
+    "raise_deferred",
+    "read_header",
+    "resolve_check_mode",
+]
+
+_HEADER_SIZE = 3  # error, fingerprint, fingerprint**2
+_COUNT_SLOT = _HEADER_SIZE  # forward buffers only
+PACK_DTYPE = torch.float64
+
+#: How a call checks its all-reduced header: ``"auto"`` is immediate on CPU, deferred elsewhere.
+CHECK_MODES = ("auto", "immediate", "deferred")
+
+
+def forward_size(num_features: int) -> int:
+    """Length of a forward buffer: header, count, two sums per channel, trailer."""
+    return _HEADER_SIZE + 1 + 2 * num_features + 1
+
+
+def backward_size(num_features: int) -> int:
+    """Length of a backward buffer: header, two sums per channel, trailer."""
+    return _HEADER_SIZE + 2 * num_features + 1
+
+
+@functools.lru_cache(maxsize=4096)
+def fingerprint(layer_name: str, num_features: int) -> int:
+    """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
+    return zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _buffer_ends(
+    fingerprint: int, count: int | None, error: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head and trailer of a buffer (``count`` is ``None`` for backward buffers).
+
+    They depend only on the layer and the local count, which usually repeat from step
+    to step, so they are built once per combination; ``torch.cat`` never writes to them.
+    On an accelerator they are copied from pinned memory without waiting for the device.
+    """
+    f = float(fingerprint)
+    head = [float(error), f, f * f] + ([] if count is None else [float(count)])
+    ends = torch.tensor(head + [f], dtype=PACK_DTYPE)
+    if device.type != "cpu":
+        ends = ends.pin_memory().to(device, non_blocking=True)
+    return ends[:-1], ends[-1:]
+
+
+def pack_forward(
+    count: int,
+    total: torch.Tensor,
+    square_total: torch.Tensor,
+    fingerprint: int,
+    error: bool = False,
+) -> torch.Tensor:
+    """Pack one rank's forward contribution into a float64 buffer of ``forward_size(C)``.
+
+    The sums per channel equal ``n * mean`` and ``n * (var + mean**2)``.
+    """
+    head, trailer = _buffer_ends(fingerprint, count, error, total.device)
+    return torch.cat([head, total, square_total, trailer])
+
+
+def pack_backward(
+    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int, error: bool = False
+) -> torch.Tensor:
+    """Pack one rank's backward sums into a float64 buffer of ``backward_size(C)``.
+
+    The sums may be float32; ``torch.cat`` promotes them to the buffer's float64.
+    """
+    head, trailer = _buffer_ends(fingerprint, None, error, sum_dy.device)
+    return torch.cat([head, sum_dy, sum_dy_xhat, trailer])
+
+
+def count_slot(buffer: torch.Tensor) -> torch.Tensor:
+    """The global count per channel of an all-reduced forward buffer: a 0-dim float64 view."""
+    return buffer[_COUNT_SLOT]
+
+
+def forward_sums(buffer: torch.Tensor) -> torch.Tensor:
+    """``(2, C)`` view of a forward buffer's sums: ``sum(x)`` and ``sum(x**2)``."""
+    num_channels = (buffer.numel() - _COUNT_SLOT - 2) // 2
+    return buffer.as_strided(
+        (2, num_channels), (num_channels, 1), buffer.storage_offset() + _COUNT_SLOT + 1
+    )
+
+
+def backward_totals(buffer: torch.Tensor) -> torch.Tensor:
+    """Global ``sum(dy)`` and ``sum(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
+    return buffer[_HEADER_SIZE:-1].view(2, -1)
+
+
+class Header(NamedTuple):
+    """Header, trailer and count slots of an all-reduced buffer, read back on the host."""
+
+    errors: int
+    fingerprint_sum: float
+    fingerprint_square_sum: float
+    trailer_sum: float
+    global_count: int  # forward buffers only: the global count per channel
+
+
+@functools.lru_cache(maxsize=256)
+def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Tensor:
+    slots = [0, 1, 2, length - 1] + ([_COUNT_SLOT] if forward else [])
+    return torch.tensor(slots, device=device)
+
+
+def _header_values(buffer: torch.Tensor, forward: bool) -> torch.Tensor:
+    return buffer.index_select(0, _header_slots(buffer.numel(), forward, buffer.device))
+
+
+def _to_header(values: list[float]) -> Header:
+    count = int(values[4]) if len(values) > 4 else 0
+    return Header(int(values[0]), values[1], values[2], values[3], count)
+
+
+def read_header(buffer: torch.Tensor, forward: bool = True) -> Header:
+    """Copy an all-reduced buffer's header, trailer and count slot to the host (one read)."""
+    return _to_header(_header_values(buffer, forward).tolist())
+
+
+def device_ok(buffer: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
+    """A 0-dim bool tensor on the buffer's device: no error flag, same layer, count != 1.
+
+    Computed without reading anything back; used to mask the running-statistics update
+    of a call whose checks are deferred.
+    """
+    f = float(own_fingerprint)
+    values = _header_values(buffer, forward=True)
+    expected = values.new_tensor([0.0, world_size * f, world_size * f * f, world_size * f])
+    return torch.eq(values[:4], expected).all() & values[4].ne(1.0)
+
+
+@dataclass(frozen=True)
+class HeaderCheck:
+    """What to compare an all-reduced header with, and how to describe the call in errors.
+
+    Attributes:
+        world_size: number of participants in the collective.
+        participants: what they are called (``"ranks"``, ``"replicas"``).
+        fingerprint: this rank's fingerprint of the layer (0 when the order check is off).
+        check_fingerprint: compare the fingerprints (the layer-order check).
+        layer: a description of the layer call, e.g. ``SyncBatchNorm layer 'bn1' (...)``.
+        phase: ``"forward"`` or ``"backward"``.
+        same_calls_rule: the rule a mismatch breaks, quoted in its error.
+        input_size: the local input's size, for the "more than 1 value" error.
+    """
+
+    world_size: int
+    participants: str
+    fingerprint: int
+    check_fingerprint: bool
+    layer: str
+    phase: str
+    same_calls_rule: str
+    input_size: tuple[int, ...] | None = None
+
+    def problem(self, header: Header) -> Exception | None:
+        """The error this header shows, or ``None``."""
+        if header.errors:
+            return RuntimeError(
+                f"{header.errors} other {self.participants[:-1]}(s) failed in their "
+                f"SyncBatchNorm call in {self.phase} (invalid input or an error in the local "
+                f"computation) while this {self.participants[:-1]} was at {self.layer}; see the "
+                f"error raised on that {self.participants[:-1]}"
+            )
+        own = self.fingerprint
+        if self.check_fingerprint and (
+            header.fingerprint_sum != self.world_size * own
+            or header.fingerprint_square_sum != self.world_size * own * own
+            or header.trailer_sum != self.world_size * own
+        ):
+            return RuntimeError(
+                f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at {self.layer}, "
+                f"but other ranks of the process group are at a different layer in the same "
+                f"collective; {self.same_calls_rule}. To disable this check set "
+                "`check_layer_order = False` on the layers (or pass check_layer_order=False to "
+                "convert_sync_batchnorm)."
+            )
+        if self.phase == "forward" and header.global_count == 1:
+            size = "" if self.input_size is None else f"input size {list(self.input_size)} here and "
+            return ValueError(
+                "Expected more than 1 value per channel when training, got "
+                f"{size}1 value per channel across all {self.world_size} {self.participants}"
+            )
+        return None
+
+
+def check_now(buffer: torch.Tensor, check: HeaderCheck) -> Header:
+    """Read the header now and raise its problem, if any; return it otherwise."""
+    header = read_header(buffer, forward=check.phase == "forward")
+    problem = check.problem(header)
+    if problem is not None:
+        raise problem
+    return header
+
+
+class _PendingCheck(NamedTuple):
+    values: torch.Tensor  # host copy of the header, being written
+    ready: torch.cuda.Event | None  # recorded after the copy (None: ready at once)
+    check: HeaderCheck
+
+
+_pending: collections.deque[_PendingCheck] = collections.deque()
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def defer_check(buffer: torch.Tensor, check: HeaderCheck) -> None:
+    """Start copying the header to the host without waiting; :func:`raise_deferred` checks it.
+
+    Inside a CUDA graph capture nothing is recorded: the host is not there at replay.
+    """
+    if _is_capturing(buffer.device):
+        return
+    values = _header_values(buffer, forward=check.phase == "forward")
+    ready = None
+    if buffer.device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        values = host
+    _pending.append(_PendingCheck(values, ready, check))
+
+
+def raise_deferred(wait: bool = False) -> None:
+    """Raise the first problem among the deferred checks whose header has arrived.
+
+    Checks are inspected in call order; one whose copy has not finished stops the scan
+    (unless ``wait``, which waits for it). Inspected checks are forgotten.
+    """
+    while _pending:
+        values, ready, check = _pending[0]
+        if ready is not None:
+            if wait:
+                ready.synchronize()
+            elif not ready.query():
+                return
+        _pending.popleft()
+        problem = check.problem(_to_header(values.tolist()))
+        if problem is not None:
+            _pending.clear()  # later calls computed with the same broken collectives
+            raise type(problem)(f"(deferred check) {problem}") from None
+
+
+def resolve_check_mode(mode: str, device: torch.device) -> str:
+    """``"immediate"`` or ``"deferred"`` for a layer's ``check_mode`` on ``device``."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "immediate" if device.type == "cpu" else "deferred"
+    return mode
