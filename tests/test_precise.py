@@ -106,7 +106,8 @@ class _OneBranch(nn.Module):
 
 def test_layers_that_saw_too_little_keep_their_statistics() -> None:
     model = _OneBranch()
-    with pytest.warns(UserWarning, match=r"kept the running statistics of BatchNorm1d layer 'unused' \(2 channels\).*saw 0"):
+    kept = r"kept the running statistics of BatchNorm1d layer 'unused' \(2 channels\).*saw 0"
+    with pytest.warns(UserWarning, match=kept):
         syncbn.recompute_statistics(model, [torch.randn(3, 2), torch.randn(4, 2)])
     assert torch.equal(model.unused.running_var, torch.ones(2))
     assert not torch.equal(model.used.running_var, torch.ones(2))

@@ -29,6 +29,7 @@ __all__ = [
     "Reducer",
     "TrainOptions",
     "backward_train",
+    "first_given",
     "forward_train",
     "input_problem",
     "is_recomputing",
@@ -202,12 +203,12 @@ class ForwardResult(NamedTuple):
     #: ``(3, C)`` mean, biased variance and ``weight / sqrt(var + eps)``, statistics dtype
     saved: torch.Tensor
     #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
-    count: int | torch.Tensor
+    global_count: int | torch.Tensor
 
 
-def _first_device(input: torch.Tensor, *tensors: torch.Tensor | None) -> torch.device:
-    """Where the layer's parameters live (the other ranks' buffers live there too)."""
-    return next((t.device for t in tensors if t is not None), input.device)
+def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """The first of a layer's per-channel tensors that is not ``None``, if any."""
+    return next((tensor for tensor in tensors if tensor is not None), None)
 
 
 def forward_train(
@@ -225,7 +226,9 @@ def forward_train(
     joins the collective with the error flag and is re-raised, so that the other ranks
     raise promptly instead of waiting for the process group's timeout.
     """
-    device = _first_device(input, weight, bias, running_mean, running_var)
+    # where the layer's parameters live, and so the other ranks' buffers
+    per_channel = first_given(weight, bias, running_mean, running_var)
+    device = input.device if per_channel is None else per_channel.device
     mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     num_channels = options.layer.num_features
     kernels = kernels_for(input.device)
@@ -328,7 +331,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             input, weight, bias, running_mean, running_var, num_batches_tracked, options
         )
         ctx.save_for_backward(input, result.saved)
-        ctx.count = result.count
+        ctx.count = result.global_count
         ctx.options = options
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
@@ -373,7 +376,7 @@ def sync_batch_norm_train(
     running_var: torch.Tensor | None = None,
     num_batches_tracked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Normalize ``input`` with statistics of the global batch of ``options.reducer``'s participants.
+    """Normalize ``input`` with the statistics of the global batch of ``options.reducer``.
 
     ``running_mean`` and ``running_var``, those given, move towards the global mean and
     unbiased variance by ``options.momentum`` in place, and ``num_batches_tracked`` counts

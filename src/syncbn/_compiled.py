@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from syncbn._autograd import TrainOptions, backward_train, forward_train
+from syncbn._autograd import TrainOptions, backward_train, first_given, forward_train
 from syncbn._stats import stat_dtype
 
 __all__ = ["SyncSite", "is_compiling", "register_site", "sync_batch_norm_train"]
@@ -83,16 +83,31 @@ def _forward(
     site_key: int,
 ) -> tuple[torch.Tensor, ...]:
     options = _site(site_key).next_train_options()
-    state = [None if t is None else t.clone() for t in (running_mean, running_var)]
-    tracked = None if num_batches_tracked is None else num_batches_tracked.clone()
-    output, saved, count = forward_train(input, weight, bias, *state, tracked, options)
+    # the op is functional: it updates copies of the state and returns them
+    mean, var, tracked = (
+        None if t is None else t.clone() for t in (running_mean, running_var, num_batches_tracked)
+    )
+    output, saved, count = forward_train(input, weight, bias, mean, var, tracked, options)
     if isinstance(count, torch.Tensor):
         count = count.clone()  # a view of the collective's buffer: outputs must not alias
     else:
         count = saved.new_tensor(float(count), dtype=torch.float64)
     empty = saved.new_empty(0)
-    new_state = [empty.clone() if t is None else t for t in (*state, tracked)]
-    return (output, saved, count, *new_state)
+    new_state = [empty.clone() if t is None else t for t in (mean, var, tracked)]
+    return (_strided_like(output, input), saved, count, *new_state)
+
+
+def _strided_like(tensor: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the strides of ``torch.empty_like(input)``, which the fake ops promise.
+
+    The kernels keep the input's memory format, but for ambiguous shapes (a size-1 or
+    empty dimension) their strides can differ from ``empty_like``'s, and compiled code
+    checks them; then one copy fixes it.
+    """
+    expected = torch.empty_like(input, device="meta").stride()
+    if tensor.stride() == expected:
+        return tensor
+    return torch.empty_like(input).copy_(tensor)
 
 
 def _forward_fake(
@@ -104,7 +119,10 @@ def _forward_fake(
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
 ) -> tuple[torch.Tensor, ...]:
-    num_channels = input.shape[1]
+    # the layer's channel count, not the input's: an input with the wrong count must trace,
+    # so that the real op joins the collective with the error flag before it raises
+    per_channel = first_given(weight, bias, running_mean, running_var)
+    num_channels = input.shape[1] if per_channel is None else per_channel.numel()
     saved = input.new_empty((3, num_channels), dtype=stat_dtype(input.dtype))
     new_state = [
         saved.new_empty(0) if t is None else torch.empty_like(t)
@@ -128,8 +146,13 @@ def _backward(
     grads = backward_train(
         grad_output, input, saved, int(count) if host_count else count, need, options
     )
+    grad_input, grad_weight, grad_bias = grads
     empty = saved.new_empty(0)
-    return tuple(empty if g is None else g for g in grads)  # type: ignore[return-value]
+    return (
+        empty if grad_input is None else _strided_like(grad_input, input),
+        empty.clone() if grad_weight is None else grad_weight,
+        empty.clone() if grad_bias is None else grad_bias,
+    )
 
 
 def _backward_fake(
@@ -150,7 +173,8 @@ def _backward_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     input, weight, bias, _, _, _, site_key = inputs
-    _, saved, count, _, _, _ = output
+    _, saved, count, *new_state = output
+    ctx.mark_non_differentiable(saved, count, *new_state)
     ctx.save_for_backward(input, saved, count)
     ctx.site_key = site_key
     ctx.param_dtypes = (
@@ -223,13 +247,14 @@ def sync_batch_norm_train(
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
 ) -> torch.Tensor:
-    """The compiled twin of :func:`syncbn._autograd.sync_batch_norm_train` for a registered layer."""
+    """The compiled twin of :func:`syncbn._autograd.sync_batch_norm_train` for a layer."""
     output, _, _, new_mean, new_var, new_tracked = torch.ops.syncbn.batch_norm_train(
         input, weight, bias, running_mean, running_var, num_batches_tracked, site_key
     )
-    for state, new in zip(
-        (running_mean, running_var, num_batches_tracked), (new_mean, new_var, new_tracked)
-    ):
-        if state is not None:
-            state.copy_(new)
+    with torch.no_grad():
+        for state, new in zip(
+            (running_mean, running_var, num_batches_tracked), (new_mean, new_var, new_tracked)
+        ):
+            if state is not None:
+                state.copy_(new)
     return output  # type: ignore[no-any-return]

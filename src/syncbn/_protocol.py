@@ -81,10 +81,30 @@ def backward_size(num_features: int) -> int:
     return _HEADER_SIZE + 2 * num_features + 1
 
 
+#: fingerprint -> descriptions of the layers of this process that have it, to name the
+#: layer that other ranks are at when the fingerprints of a collective disagree
+_fingerprinted: dict[int, set[str]] = {}
+
+
 @functools.lru_cache(maxsize=4096)
 def fingerprint(layer_name: str, num_features: int) -> int:
     """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
-    return zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
+    value = zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
+    name = repr(layer_name) if layer_name else "<unnamed>"
+    _fingerprinted.setdefault(value, set()).add(f"{name} (num_features={num_features})")
+    return value
+
+
+def _others_layer(header: Header, world_size: int, own: int) -> str:
+    """Where the other ranks are, when they all agree and this process knows that layer."""
+    others = world_size - 1
+    rest, square_rest = header.fingerprint_sum - own, header.fingerprint_square_sum - own * own
+    if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
+        return "a different layer"
+    names = sorted(_fingerprinted.get(int(rest / others), ()))
+    if not names:
+        return "a different layer"
+    return f"SyncBatchNorm layer {' or '.join(names)}"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -230,18 +250,21 @@ class HeaderCheck:
             or header.fingerprint_square_sum != self.world_size * own * own
             or header.trailer_sum != self.world_size * own
         ):
+            others = _others_layer(header, self.world_size, own)
             return RuntimeError(
                 f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at {self.layer}, "
-                f"but other ranks of the process group are at a different layer in the same "
+                f"but other ranks of the process group are at {others} in the same "
                 f"collective; {self.same_calls_rule}. To disable this check set "
                 "`check_layer_order = False` on the layers (or pass check_layer_order=False to "
                 "convert_sync_batchnorm)."
             )
         if self.phase == "forward" and header.global_count == 1:
-            size = "" if self.input_size is None else f"input size {list(self.input_size)} here and "
+            here = (
+                "" if self.input_size is None else f"input size {list(self.input_size)} here and "
+            )
             return ValueError(
                 "Expected more than 1 value per channel when training, got "
-                f"{size}1 value per channel across all {self.world_size} {self.participants}"
+                f"{here}1 value per channel across all {self.world_size} {self.participants}"
             )
         return None
 

@@ -20,6 +20,7 @@ import torch
 
 __all__ = ["global_statistics", "stat_dtype", "update_running_stats"]
 
+
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype in which the statistics of an input of ``dtype`` are accumulated.
 

@@ -19,6 +19,7 @@ from syncbn._autograd import (
     is_recomputing,
     sync_batch_norm_train,
 )
+from syncbn._protocol import fingerprint
 
 __all__ = ["SyncBatchNorm"]
 
@@ -112,12 +113,12 @@ class SyncBatchNorm(_BatchNorm):
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
         self.process_group = process_group
+        self._construction_index = next(_construction_order)
         self.layer_name = ""
         self.check_layer_order = True
         self.check_mode = "auto"
         self.last_input_dim: int | None = None
         self._sync_calls = 0
-        self._construction_index = next(_construction_order)
         self._site_key = _compiled.register_site(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -125,6 +126,17 @@ class SyncBatchNorm(_BatchNorm):
         # (the construction index is kept: it is the same layer of the same model code)
         super().__setstate__(state)
         self._site_key = _compiled.register_site(self)
+
+    @property
+    def layer_name(self) -> str:
+        """The layer's module path, set by :func:`syncbn.convert_sync_batchnorm` (or ``""``)."""
+        return self._layer_name
+
+    @layer_name.setter
+    def layer_name(self, name: str) -> None:
+        self._layer_name = name
+        # known to this process from now on: a mismatch error can name it as the other side
+        fingerprint(self.layer_identity, self.num_features)
 
     @property
     def layer_identity(self) -> str:
@@ -165,7 +177,8 @@ class SyncBatchNorm(_BatchNorm):
         return self._train_options(self._layer_info(None))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self.last_input_dim = input.dim()
+        if not _compiled.is_compiling():  # a side effect dynamo refuses inside checkpointing
+            self.last_input_dim = input.dim()
         if not self.training:
             # Eval never communicates: exactly torch's BatchNorm.
             self._check_input_dim(input)

@@ -11,6 +11,7 @@ from syncbn._autograd import (
     LayerInfo,
     ProcessGroupReducer,
     TrainOptions,
+    first_given,
     input_problem,
     is_recomputing,
     sync_batch_norm_train,
@@ -68,7 +69,7 @@ def sync_batch_norm(
         >>> y = sync_batch_norm(x, mean, var, training=True)
     """
     world_size = distributed.get_world_size(process_group) if training else 1
-    per_channel = next((t for t in (weight, bias, running_mean, running_var) if t is not None), None)
+    per_channel = first_given(weight, bias, running_mean, running_var)
     if world_size <= 1:
         problem = input_problem(
             input,

@@ -152,7 +152,9 @@ def backward_reduce(
     var: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local per-channel ``sum(dy)`` and ``sum(dy * xhat)``, ``xhat = (x - mean) / sqrt(var + eps)``.
+    """Local per-channel ``sum(dy)`` and ``sum(dy * xhat)``.
+
+    Here ``xhat = (x - mean) / sqrt(var + eps)``.
 
     Both come from one fused pass of ``native_batch_norm_backward`` in eval mode, which
     returns exactly these sums as the bias and weight gradients.

@@ -1,0 +1,271 @@
+"""One rank's problem becomes a prompt error on every rank; an empty global batch is no error.
+
+Regression tests of the correctness issue: an exception in one rank's local computation
+(forward or backward) and one rank's failure in precise BN reach the other ranks well
+inside the process group's timeout; a global count of 0 behaves like torch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from _harness import PROCESS_GROUP_TIMEOUT, WorkerPool
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import syncbn
+from syncbn._kernels import generic
+
+#: the pool's process-group timeout: a rank left waiting fails only after it
+PG_TIMEOUT = PROCESS_GROUP_TIMEOUT.total_seconds()
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
+        return type(error).__name__, str(error)
+    return "ok", ""
+
+
+def _timed(fn: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    kind, message = _outcome(fn)
+    return {"kind": kind, "message": message, "seconds": time.monotonic() - start}
+
+
+# --- an exception in one rank's local part -----------------------------------------------------
+
+
+class _SimulatedOutOfMemory(RuntimeError):
+    pass
+
+
+def _simulated_out_of_memory(*args: Any) -> Any:
+    raise _SimulatedOutOfMemory("CUDA out of memory (simulated)")
+
+
+def _local_exception(rank: int, world_size: int, phase: str) -> dict[str, Any]:
+    """Rank 0's local maths raises in ``phase`` (the kernel is patched for this call only)."""
+    bn = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)))
+    x = torch.randn(2 + rank, 3, 4, 4, requires_grad=True)
+    kernel = "local_moments" if phase == "forward" else "backward_reduce"
+    original = getattr(generic, kernel)
+    y = bn(x) if phase == "backward" else None
+    if rank == 0:
+        setattr(generic, kernel, _simulated_out_of_memory)
+    try:
+        result = _timed(lambda: bn(x) if y is None else y.sum().backward())
+    finally:
+        setattr(generic, kernel, original)
+    # the group still works afterwards
+    result["after"] = _outcome(lambda: bn(torch.randn(2, 3, 4, 4)).sum().backward())
+    return result
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_exception_in_local_maths_reaches_every_rank_promptly(pool: WorkerPool, phase: str) -> None:
+    """Before the fix the other ranks waited for the process-group timeout (30 s in the pool);
+    the scenario's own bound (20 s) would then fail this test."""
+    failing, *others = pool.run(_local_exception, phase, timeout=20.0)
+    assert failing["kind"] == "_SimulatedOutOfMemory", failing
+    for other in others:
+        assert other["kind"] == "RuntimeError", other
+        assert f"1 other rank(s) failed in their SyncBatchNorm call in {phase}" in other["message"]
+        assert "SyncBatchNorm layer '0' (num_features=3" in other["message"]
+        assert other["seconds"] < PG_TIMEOUT / 2
+    for result in [failing, *others]:
+        assert result["after"] == ("ok", "")
+
+
+# --- an empty global batch ---------------------------------------------------------------------
+
+
+def _all_empty(rank: int, world_size: int) -> dict[str, Any]:
+    bn = syncbn.SyncBatchNorm(3, momentum=None, dtype=torch.float64)
+    with torch.no_grad():
+        bn.running_mean.fill_(0.25)
+        bn.running_var.fill_(2.0)
+    x = torch.randn(0, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = bn(x)
+    y.sum().backward()
+    # then a normal call: the cumulative average counts the empty call, as BatchNorm does
+    z = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    bn(z)
+    return {
+        "shape": tuple(y.shape),
+        "dtype": y.dtype,
+        "channels_last": y.is_contiguous(memory_format=torch.channels_last),
+        "grads": (x.grad.shape, bn.weight.grad.clone(), bn.bias.grad.clone()),
+        "state": {k: v.clone() for k, v in bn.state_dict().items()},
+        "z": z,
+    }
+
+
+def test_empty_global_batch_behaves_like_batchnorm(pool: WorkerPool) -> None:
+    results = pool.run(_all_empty)
+    reference = nn.BatchNorm2d(3, momentum=None, dtype=torch.float64)
+    with torch.no_grad():
+        reference.running_mean.fill_(0.25)
+        reference.running_var.fill_(2.0)
+    x = torch.randn(0, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = reference(x)
+    y.sum().backward()
+    reference(torch.cat([r["z"] for r in results]))
+    for result in results:
+        assert result["shape"] == (0, 3, 4, 5) and result["dtype"] == torch.float64
+        assert result["channels_last"]
+        grad_shape, grad_weight, grad_bias = result["grads"]
+        assert grad_shape == (0, 3, 4, 5)
+        assert torch.equal(grad_weight, torch.zeros(3, dtype=torch.float64))
+        assert torch.equal(grad_bias, torch.zeros(3, dtype=torch.float64))
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-12, atol=1e-12)
+    assert int(results[0]["state"]["num_batches_tracked"]) == 2
+
+
+# Ports of PyTorch's c10d tests test_sync_batch_norm_only_empty_input and
+# test_sync_batch_norm_empty_input (test/distributed/test_c10d_nccl.py, which run on 2 GPUs with
+# torch.nn.SyncBatchNorm), rewritten for CPU ranks and syncbn: a model whose only layer is a
+# converted BatchNorm2d, wrapped in DDP; first rank 0 alone gets an empty batch, then every rank
+# does; with and without an input that requires grad. Outputs and parameter gradients must hold
+# no NaN, and with all ranks empty the output is empty.
+def _c10d_empty_inputs(rank: int, world_size: int, wrap_first: bool) -> list[dict[str, Any]]:
+    model: nn.Module = nn.Sequential(nn.BatchNorm2d(2))
+    if wrap_first:  # as in the c10d test: DDP first, then convert the wrapped model
+        model = syncbn.convert_sync_batchnorm(DistributedDataParallel(model))
+    else:
+        model = DistributedDataParallel(syncbn.convert_sync_batchnorm(model))
+    model.train()
+    records = []
+    for shape in [(1 if rank != 0 else 0, 2, 11, 13), (0, 2, 11, 13)]:
+        for requires_grad in (True, False):
+            x = torch.zeros(shape, requires_grad=requires_grad)
+            y = model(x)
+            y.sum().backward()
+            records.append(
+                {
+                    "shape": tuple(y.shape),
+                    "output_nan": bool(y.isnan().any()),
+                    "grad_nan": any(bool(p.grad.isnan().any()) for p in model.parameters()),
+                }
+            )
+            model.zero_grad()
+    return records
+
+
+@pytest.mark.parametrize("wrap_first", [True, False], ids=["ddp-then-convert", "convert-then-ddp"])
+def test_c10d_empty_input_ports(pool2: WorkerPool, wrap_first: bool) -> None:
+    for rank, records in enumerate(pool2.run(_c10d_empty_inputs, wrap_first)):
+        for index, record in enumerate(records):
+            assert not record["output_nan"] and not record["grad_nan"], (rank, index, record)
+            all_empty = index >= 2
+            expected_batch = 0 if all_empty or rank == 0 else 1
+            assert record["shape"] == (expected_batch, 2, 11, 13)
+
+
+def _count_one(rank: int, world_size: int) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)
+    return _outcome(bn, torch.randn(1 if rank == 0 else 0, 3))
+
+
+def test_global_count_of_exactly_one_still_raises_on_every_rank(pool: WorkerPool) -> None:
+    for kind, message in pool.run(_count_one):
+        assert kind == "ValueError"
+        assert message.startswith("Expected more than 1 value per channel when training")
+
+
+# --- precise BN: small local batches and failures -------------------------------------------------
+
+
+def _precise_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.BatchNorm1d(3)).double()
+
+
+def _precise_batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    sizes = [[1, 1, 3], [1], [0, 1, 2, 1]][rank]  # batches of one sample, one rank with one batch
+    return [torch.randn(n, 4, generator=gen, dtype=torch.float64) * 3 + 2 for n in sizes]
+
+
+def _precise_small_batches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    model = syncbn.convert_sync_batchnorm(_precise_model())
+    syncbn.recompute_statistics(model, _precise_batches(rank))
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+
+
+def test_precise_bn_accepts_batches_of_one_sample(pool3: WorkerPool) -> None:
+    results = pool3.run(_precise_small_batches)
+    model = _precise_model()
+    batches = [b for rank in range(3) for b in _precise_batches(rank)]
+    syncbn.recompute_statistics(model, batches)  # one process, every batch
+    # and by hand: the first layer's inputs are the linear layer's outputs over all samples
+    with torch.no_grad():
+        first = model[0](torch.cat(batches))
+    var, mean = torch.var_mean(first, dim=0, correction=1)
+    torch.testing.assert_close(model[1].running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[1].running_var, var, rtol=1e-12, atol=1e-12)
+    for result in results:
+        for key, value in model.state_dict().items():
+            if "running" in key:
+                torch.testing.assert_close(result[key], value, rtol=1e-12, atol=1e-12)
+
+
+def _loader_that_raises(rank: int) -> Any:
+    yield torch.randn(4, 4, dtype=torch.float64)
+    raise OSError("corrupt record (simulated)")
+
+
+def _precise_failure(rank: int, world_size: int, fault: str) -> dict[str, Any]:
+    model = syncbn.convert_sync_batchnorm(_precise_model())
+    batches: Any = [torch.randn(3, 4, dtype=torch.float64) for _ in range(3)]
+    if rank == 0:
+        if fault == "shape":
+            batches[1] = torch.randn(3, 5, dtype=torch.float64)
+        elif fault == "non-finite":
+            batches[2][1, 0] = float("inf")
+        elif fault == "loader":
+            batches = _loader_that_raises(rank)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = _timed(lambda: syncbn.recompute_statistics(model, batches))
+    result["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return result
+
+
+@pytest.mark.parametrize("fault", ["shape", "non-finite", "loader"])
+def test_precise_bn_failure_on_one_rank_reaches_every_rank(pool2: WorkerPool, fault: str) -> None:
+    failing, other = pool2.run(_precise_failure, fault, timeout=20.0)
+    assert failing["unchanged"] and other["unchanged"]
+    if fault == "non-finite":  # found in the summed moments: the same error on every rank
+        for result in (failing, other):
+            assert result["kind"] == "ValueError"
+            assert "layer '1' contain non-finite values" in result["message"]
+    else:
+        assert failing["kind"] == ("RuntimeError" if fault == "shape" else "OSError"), failing
+        assert other["kind"] == "RuntimeError", other
+        assert "1 other rank(s) of the process group failed" in other["message"]
+    assert other["seconds"] < PG_TIMEOUT / 2
+
+
+def _precise_uneven_loaders(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    model = _precise_model()  # plain BatchNorm: precise BN still pools over ranks
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(rank * 3)]
+    syncbn.recompute_statistics(model, iter(batches))
+    inputs = torch.cat([torch.empty(0, 4, dtype=torch.float64), *batches])
+    return {"mean": model[1].running_mean.clone(), "batches": inputs}
+
+
+def test_precise_bn_loaders_of_different_lengths(pool2: WorkerPool) -> None:
+    results = pool2.run(_precise_uneven_loaders)
+    model = _precise_model()
+    with torch.no_grad():
+        first = model[0](torch.cat([r["batches"] for r in results]))
+    for result in results:
+        torch.testing.assert_close(result["mean"], first.mean(0), rtol=1e-12, atol=1e-12)

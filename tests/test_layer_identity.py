@@ -1,0 +1,152 @@
+"""Layers built directly (no module path) are told apart by the layer-order check.
+
+A directly built ``SyncBatchNorm`` is identified by its construction order in the process
+(``"#k"``): the same on every rank that runs the same model code, different for every
+layer. These tests cover the out-of-order calls that used to pass silently, and the
+usual ways of building, copying and restoring models that must not raise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from _harness import WorkerPool
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import syncbn
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
+        return type(error).__name__, str(error)
+    return "ok", ""
+
+
+class _TwoDirectLayers(nn.Module):
+    """Two directly built SyncBatchNorm layers with the same channel count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = syncbn.SyncBatchNorm(3)
+        self.second = syncbn.SyncBatchNorm(3)
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
+        a, b = (self.second, self.first) if swap else (self.first, self.second)
+        return b(self.linear(a(x)))
+
+
+def _out_of_order(rank: int, world_size: int, phase: str) -> dict[str, Any]:
+    model = _TwoDirectLayers()
+    identities = [model.first.layer_identity, model.second.layer_identity]
+    x = torch.randn(4, 3, requires_grad=True)
+    assert _outcome(lambda: model(x).sum().backward()) == ("ok", "")  # in order: fine
+    if phase == "forward":
+        return {"outcome": _outcome(lambda: model(x, swap=rank % 2 == 1)), "ids": identities}
+    # forward in order, but backward reaches the layers in a different order per rank
+    first, second = model.first(x), model.second(x)
+    if rank % 2:
+        first, second = second, first
+    loss = first.sum() * 1e-3 + second.sum().detach()
+    return {"outcome": _outcome(lambda: loss.backward()), "ids": identities}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_directly_built_layers_called_out_of_order_raise_naming_both(
+    pool: WorkerPool, phase: str
+) -> None:
+    results = pool.run(_out_of_order, phase)
+    first, second = results[0]["ids"]
+    assert first != second and first.startswith("#") and second.startswith("#")
+    for rank, result in enumerate(results):
+        assert result["ids"] == [first, second]  # the same identities on every rank
+        kind, message = result["outcome"]
+        assert kind == "RuntimeError", message
+        assert f"SyncBatchNorm layer mismatch in {phase}" in message
+        own, other = (first, second) if rank % 2 == 0 else (second, first)
+        assert f"this rank is at SyncBatchNorm layer '{own}' (num_features=3" in message
+        if pool.world_size == 2:  # all other ranks agree: the message names their layer too
+            assert f"other ranks of the process group are at SyncBatchNorm layer '{other}'" in (
+                message
+            )
+
+
+# --- no false positives ------------------------------------------------------------------------
+
+
+def _train(model: nn.Module, steps: int = 2, **kwargs: Any) -> None:
+    for step in range(steps):
+        x = torch.randn(3 + step, 3, requires_grad=True)
+        model(x, **kwargs).sum().backward()
+
+
+class _Checkpointed(_TwoDirectLayers):
+    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+class _UnusedBranch(_TwoDirectLayers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = syncbn.SyncBatchNorm(3)
+
+    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
+        return super().forward(x) if x.shape[0] != 1000 else self.unused(x)
+
+
+def _usual_workflows(rank: int, world_size: int, workflow: str) -> tuple[str, str]:
+    if workflow == "same-model":
+        model: nn.Module = _TwoDirectLayers()
+        return _outcome(lambda: _train(model))
+    if workflow == "ddp-find-unused":
+        ddp = DistributedDataParallel(_UnusedBranch(), find_unused_parameters=True)
+        return _outcome(lambda: _train(ddp))
+    if workflow == "checkpointing":
+        return _outcome(lambda: _train(_Checkpointed()))
+    if workflow == "after-deleting-layers":
+        old = _TwoDirectLayers()
+        _train(old)
+        del old
+        return _outcome(lambda: _train(_TwoDirectLayers()))
+    if workflow == "deepcopy":
+        original = _TwoDirectLayers()
+        copied = copy.deepcopy(original)
+        return _outcome(lambda: (_train(copied), _train(original)))
+    if workflow == "load-state-dict":
+        trained = _TwoDirectLayers()
+        _train(trained)
+        restored = _TwoDirectLayers()
+        restored.load_state_dict(trained.state_dict())
+        return _outcome(lambda: _train(restored))
+    raise ValueError(workflow)
+
+
+@pytest.mark.parametrize(
+    "workflow",
+    [
+        "same-model",
+        "ddp-find-unused",
+        "checkpointing",
+        "after-deleting-layers",
+        "deepcopy",
+        "load-state-dict",
+    ],
+)
+def test_usual_workflows_pass_the_order_check(pool2: WorkerPool, workflow: str) -> None:
+    assert pool2.run(_usual_workflows, workflow) == [("ok", "")] * 2
+
+
+def test_identity_is_construction_order_and_survives_copies() -> None:
+    first, second = syncbn.SyncBatchNorm(3), syncbn.SyncBatchNorm(3)
+    index = int(first.layer_identity[1:])
+    assert second.layer_identity == f"#{index + 1}"
+    assert copy.deepcopy(first).layer_identity == first.layer_identity
+    named = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
+    assert named[0].layer_identity == "0"  # converted layers are named by their module path
