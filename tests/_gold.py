@@ -125,18 +125,33 @@ def _module_kwargs(case: Case) -> dict[str, Any]:
     )
 
 
+def _cpu(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in record.items()}
+
+
 def run_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
-    """Scenario: this rank's share of the case, through syncbn.SyncBatchNorm."""
+    """Scenario: this rank's share of the case, through syncbn.SyncBatchNorm.
+
+    ``case.extra`` may set ``check_mode`` and ``device`` (results come back on the CPU).
+    """
     xs, dys, weight, bias = case.data()
-    module = syncbn.SyncBatchNorm(case.num_features, **_module_kwargs(case))
+    device = torch.device(case.extra.get("device", "cpu"))
+    module = syncbn.SyncBatchNorm(case.num_features, **_module_kwargs(case)).to(device)
+    module.check_mode = case.extra.get("check_mode", module.check_mode)
     _init(module, case, weight, bias)
     start = sum(case.sizes[:rank])
     stop = start + case.sizes[rank]
     steps = [
-        _step_record(module, case.prepare(x[start:stop]), case.prepare(dy[start:stop]))
+        _cpu(
+            _step_record(
+                module,
+                case.prepare(x[start:stop]).to(device),
+                case.prepare(dy[start:stop]).to(device),
+            )
+        )
         for x, dy in zip(xs, dys)
     ]
-    return {"steps": steps, "state": _state(module)}
+    return {"steps": steps, "state": _cpu(_state(module))}
 
 
 def reference(case: Case) -> dict[str, Any]:

@@ -42,3 +42,23 @@ def test_gold_matches_batchnorm_on_global_batch(
     case = dataclasses.replace(CASES[name], sizes=sizes)
     per_rank = pool.run(run_rank, case)
     compare(case, per_rank, reference(case))
+
+
+# The deferred checks (the default on accelerators) keep the global count on the device and
+# update running statistics with device-side factors: the same results, through other code.
+DEFERRED = [
+    "2d",
+    "momentum-none",
+    "no-running-stats",
+    "float32-channels-last",
+    "float16-float32-params",
+]
+
+
+@pytest.mark.parametrize("sizes_index", [0, 1], ids=["uneven", "with-empty"])
+@pytest.mark.parametrize("name", DEFERRED)
+def test_gold_with_deferred_checks(pool: WorkerPool, name: str, sizes_index: int) -> None:
+    sizes = SIZES[pool.world_size][sizes_index]
+    case = dataclasses.replace(CASES[name], sizes=sizes, extra={"check_mode": "deferred"})
+    per_rank = pool.run(run_rank, case)
+    compare(case, per_rank, reference(case))

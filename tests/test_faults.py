@@ -269,3 +269,38 @@ def test_precise_bn_loaders_of_different_lengths(pool2: WorkerPool) -> None:
         first = model[0](torch.cat([r["batches"] for r in results]))
     for result in results:
         torch.testing.assert_close(result["mean"], first.mean(0), rtol=1e-12, atol=1e-12)
+
+
+# --- deferred checks (the default on accelerators), exercised on CPU ----------------------------
+
+
+def _deferred_problems(rank: int, world_size: int, problem: str) -> dict[str, Any]:
+    first, second = syncbn.SyncBatchNorm(3), syncbn.SyncBatchNorm(3)
+    for layer in (first, second):
+        layer.check_mode = "deferred"
+    x = torch.randn(4, 3)
+    first(x), second(x)  # a good step
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    if problem == "order":
+        bad = _outcome(lambda: (second if rank % 2 else first)(x))
+    else:  # a global count of one
+        bad = _outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
+    moved = {
+        k: not torch.equal(v, before[k]) for k, v in first.state_dict().items() if "running" in k
+    }
+    later = _outcome(lambda: first(x))  # the next call surfaces it, on every rank
+    return {"bad": bad, "moved": moved, "later": later}
+
+
+@pytest.mark.parametrize("problem", ["order", "count"])
+def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: str) -> None:
+    for result in pool2.run(_deferred_problems, problem):
+        assert result["bad"] == ("ok", "")  # deferred: the call itself does not read back
+        assert not any(result["moved"].values()), result["moved"]  # masked on the device
+        kind, message = result["later"]
+        assert message.startswith("(deferred check) ")
+        if problem == "order":
+            assert kind == "RuntimeError" and "layer mismatch in forward" in message
+            assert "(num_features=3, call 1)" in message  # the call where it went wrong
+        else:
+            assert kind == "ValueError" and "Expected more than 1 value per channel" in message

@@ -150,3 +150,18 @@ def test_identity_is_construction_order_and_survives_copies() -> None:
     assert copy.deepcopy(first).layer_identity == first.layer_identity
     named = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
     assert named[0].layer_identity == "0"  # converted layers are named by their module path
+
+
+def test_layers_pickled_by_version_0_1_load() -> None:
+    layer = syncbn.SyncBatchNorm(3)
+    state = dict(vars(layer))
+    # 0.1 kept layer_name as a plain attribute and had no check_mode or construction index
+    state["layer_name"] = state.pop("_layer_name")
+    for key in ("check_mode", "_construction_index", "_sync_alone"):
+        del state[key]
+    state["layer_name"] = "block.bn"
+    old = syncbn.SyncBatchNorm.__new__(syncbn.SyncBatchNorm)
+    old.__setstate__(state)
+    assert old.layer_name == "block.bn" and old.layer_identity == "block.bn"
+    assert old.check_mode == "auto" and old._site_key != layer._site_key
+    torch.testing.assert_close(old(torch.randn(4, 3)).mean(0), torch.zeros(3), atol=1e-6, rtol=0)

@@ -262,7 +262,7 @@ def forward_train(
             factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
         # a call whose checks fail moves no running statistics
         ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
-        factor = ok * factor
+        factor = ok.to(torch.float64) * factor
 
     mean, var, scale = _stats.global_statistics(
         _protocol.forward_sums(buffer), count, options.eps, weight

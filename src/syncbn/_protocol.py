@@ -119,9 +119,7 @@ def _buffer_ends(
     """
     f = float(fingerprint)
     head = [float(error), f, f * f] + ([] if count is None else [float(count)])
-    ends = torch.tensor(head + [f], dtype=PACK_DTYPE)
-    if device.type != "cpu":
-        ends = ends.pin_memory().to(device, non_blocking=True)
+    ends = _on_device(head + [f], PACK_DTYPE, device)
     return ends[:-1], ends[-1:]
 
 
@@ -179,10 +177,26 @@ class Header(NamedTuple):
     global_count: int  # forward buffers only: the global count per channel
 
 
+def _on_device(
+    values: list[float] | list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small constant tensor on ``device``, copied from pinned memory without waiting."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=256)
 def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Tensor:
     slots = [0, 1, 2, length - 1] + ([_COUNT_SLOT] if forward else [])
-    return torch.tensor(slots, device=device)
+    return _on_device(slots, torch.int64, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected_header(world_size: int, fingerprint: int, device: torch.device) -> torch.Tensor:
+    f = float(fingerprint)
+    return _on_device([0.0, world_size * f, world_size * f * f, world_size * f], PACK_DTYPE, device)
 
 
 def _header_values(buffer: torch.Tensor, forward: bool) -> torch.Tensor:
@@ -205,9 +219,8 @@ def device_ok(buffer: torch.Tensor, world_size: int, own_fingerprint: int) -> to
     Computed without reading anything back; used to mask the running-statistics update
     of a call whose checks are deferred.
     """
-    f = float(own_fingerprint)
     values = _header_values(buffer, forward=True)
-    expected = values.new_tensor([0.0, world_size * f, world_size * f * f, world_size * f])
+    expected = _expected_header(world_size, own_fingerprint, buffer.device)
     return torch.eq(values[:4], expected).all() & values[4].ne(1.0)
 
 

@@ -70,7 +70,7 @@ def update_running_stats(
             failed), a number or a 0-dim tensor.
     """
     if isinstance(count, torch.Tensor):
-        factor = count.gt(1) * factor
+        factor = count.gt(1).to(count.dtype) * factor  # float64: a bool * float is float32
         correction: float | torch.Tensor = count / (count - 1).clamp(min=1)
     elif count > 1:
         correction = count / (count - 1)

@@ -119,11 +119,22 @@ class SyncBatchNorm(_BatchNorm):
         self.check_mode = "auto"
         self.last_input_dim: int | None = None
         self._sync_calls = 0
+        # tests and benchmarks only: synchronize through the process group even when it has
+        # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
+        self._sync_alone = False
         self._site_key = _compiled.register_site(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: a new object needs its own key for the compiled ops
         # (the construction index is kept: it is the same layer of the same model code)
+        state = dict(state)
+        if "layer_name" in state:  # pickled by syncbn 0.1, where it was a plain attribute
+            state["_layer_name"] = state.pop("layer_name")
+        state.setdefault("_layer_name", "")
+        state.setdefault("check_mode", "auto")
+        state.setdefault("_sync_alone", False)
+        if "_construction_index" not in state:
+            state["_construction_index"] = next(_construction_order)
         super().__setstate__(state)
         self._site_key = _compiled.register_site(self)
 
@@ -193,7 +204,7 @@ class SyncBatchNorm(_BatchNorm):
                 0.0,
                 self.eps,
             )
-        if distributed.get_world_size(self.process_group) <= 1:
+        if distributed.get_world_size(self.process_group) <= 1 and not self._sync_alone:
             return self._local_training_forward(input)
         tracking = self.track_running_stats
         running_mean = self.running_mean if tracking else None

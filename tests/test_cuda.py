@@ -1,0 +1,240 @@
+"""SyncBatchNorm on CUDA: gold parity, no host synchronization, graph capture, autocast, compile.
+
+Every test here needs a CUDA GPU and is skipped without one (CI has none). Two ranks share
+one GPU through gloo with CUDA tensors (nccl refuses two ranks per GPU); nccl is covered
+with a group of one rank per process and the sync path forced (``_sync_alone``), where the
+module would otherwise fall back to plain BatchNorm.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _gold import Case, compare, reference, run_rank
+from _harness import WorkerPool
+from torch import nn
+
+import syncbn
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GOLD = {
+    "float64": Case(sizes=(3, 0), tail=(3, 4, 5)),
+    "float32": Case(sizes=(2, 3), dtype="float32", tail=(4, 6, 6)),
+    "float32-channels-last": Case(
+        sizes=(0, 5), dtype="float32", tail=(4, 6, 6), channels_last=True
+    ),
+    "channels-last-3d": Case(sizes=(2, 1), tail=(2, 3, 2, 4), channels_last=True),
+    "bfloat16-float32-params": Case(
+        sizes=(3, 1), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6)
+    ),
+    "float16-float32-params": Case(
+        sizes=(1, 3), dtype="float16", param_dtype="float32", tail=(4, 6, 6)
+    ),
+    "momentum-none": Case(sizes=(2, 2), momentum=None, steps=4),
+}
+
+
+@pytest.mark.parametrize("check_mode", ["auto", "immediate"])
+@pytest.mark.parametrize("name", list(GOLD))
+def test_gold_on_cuda_two_ranks_through_gloo(pool2: WorkerPool, name: str, check_mode: str) -> None:
+    case = dataclasses.replace(GOLD[name], extra={"device": "cuda", "check_mode": check_mode})
+    compare(case, pool2.run(run_rank, case, timeout=120.0), reference(case))
+
+
+def _alone_groups(world_size: int) -> list[dist.ProcessGroup]:
+    """One nccl group of one rank per process (every rank creates every group)."""
+    return [dist.new_group([r], backend="nccl") for r in range(world_size)]
+
+
+def _small_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8, momentum=None),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def _synced(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    model = syncbn.convert_sync_batchnorm(model, group)
+    for module in model.modules():
+        if isinstance(module, syncbn.SyncBatchNorm):
+            module._sync_alone = True
+    return model
+
+
+def _resnet_or_small() -> nn.Module:
+    try:
+        import torchvision
+    except ImportError:
+        return _small_model()
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _nccl_alone(rank: int, world_size: int) -> dict[str, Any]:
+    group = _alone_groups(world_size)[rank]
+    torch.manual_seed(rank)
+    plain = _small_model().cuda()
+    synced = _synced(copy.deepcopy(plain), group)
+    x = torch.randn(5, 3, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    results = {}
+    for name, model in (("plain", plain), ("synced", synced)):
+        model(x).square().sum().backward()
+        results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()} | {
+            f"grad.{k}": p.grad.cpu() for k, p in model.named_parameters()
+        }
+    return results
+
+
+def test_nccl_group_of_one_with_the_sync_path_equals_batchnorm(pool2: WorkerPool) -> None:
+    for result in pool2.run(_nccl_alone, timeout=120.0):
+        for key, value in result["plain"].items():
+            torch.testing.assert_close(result["synced"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def _no_host_sync(rank: int, world_size: int) -> dict[str, Any]:
+    group = _alone_groups(world_size)[rank]
+    model = _synced(_resnet_or_small(), group).cuda().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # warm-up: caches of constant tensors, cuDNN plans
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outcome = "ok"
+        for _ in range(2):
+            step()
+    except RuntimeError as error:
+        outcome = str(error)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncbn._protocol.raise_deferred(wait=True)
+    return {"outcome": outcome}
+
+
+def test_training_step_makes_no_host_sync(pool2: WorkerPool) -> None:
+    for result in pool2.run(_no_host_sync, timeout=180.0):
+        assert result["outcome"] == "ok"
+
+
+def _graph_capture(rank: int, world_size: int, batch: int) -> dict[str, Any]:
+    group = _alone_groups(world_size)[rank]
+    torch.manual_seed(0)
+    eager_model = _synced(_small_model(), group).cuda()
+    graph_model = copy.deepcopy(eager_model)
+    x = torch.randn(batch, 3, 8, 8, device="cuda")
+    results = {}
+    for name, model in (("eager", eager_model), ("graph", graph_model)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(model: nn.Module = model, optimizer: Any = optimizer) -> None:
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        if name == "eager":
+            for _ in range(5):
+                step()
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up, also counted below
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            graph.replay()
+        torch.cuda.synchronize()
+        results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return results
+
+
+@pytest.mark.parametrize("batch", [4, 0], ids=["batch4", "empty"])
+def test_cuda_graph_of_a_training_step_equals_eager(pool2: WorkerPool, batch: int) -> None:
+    for result in pool2.run(_graph_capture, batch, timeout=120.0):
+        for key, value in result["eager"].items():
+            if key.endswith("num_batches_tracked"):
+                # replays do not run Python: the counter moves on the device like the rest
+                assert torch.equal(result["graph"][key], value), key
+            else:
+                torch.testing.assert_close(result["graph"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def _autocast(rank: int, world_size: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, 8, 8, generator=gen)
+    torch.manual_seed(0)
+    model = syncbn.convert_sync_batchnorm(_small_model()).cuda()
+    local = x[:2] if rank == 0 else x[2:]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(local.cuda())
+    out.float().sum().backward()
+    return {
+        "output": out.float().cpu(),
+        "state": {k: v.cpu() for k, v in model.state_dict().items()},
+        "x": x,
+    }
+
+
+def test_autocast_bfloat16_equals_batchnorm_on_the_global_batch(pool2: WorkerPool) -> None:
+    results = pool2.run(_autocast, timeout=120.0)
+    torch.manual_seed(0)
+    model = _small_model().cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = model(results[0]["x"].cuda())
+    torch.testing.assert_close(
+        torch.cat([r["output"] for r in results]), expected.float().cpu(), rtol=5e-2, atol=5e-2
+    )
+    for result in results:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(result["state"][key], value.cpu(), rtol=1e-2, atol=1e-2)
+
+
+def _compiled_cuda(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    group = _alone_groups(world_size)[rank]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _synced(_small_model(), group).cuda()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, mode=mode)
+    results = {}
+    for name, run, model in (("eager", eager, eager), ("compiled", compiled, compiled_model)):
+        gen = torch.Generator().manual_seed(5)
+        for size in (4, 3, 4):
+            x = torch.randn(size, 3, 8, 8, generator=gen).cuda()
+            run(x).square().sum().backward()
+        results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return results
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fullgraph_compile_on_cuda_equals_eager(pool2: WorkerPool, mode: str) -> None:
+    for result in pool2.run(_compiled_cuda, mode, timeout=300.0):
+        for key, value in result["eager"].items():
+            torch.testing.assert_close(result["compiled"][key], value, rtol=1e-4, atol=1e-5)
