@@ -24,7 +24,8 @@ import report
 import suite
 
 import syncbn
-from syncbn._bench import machine_info, run_on_ranks
+from syncbn._cli.launch import run_on_ranks
+from syncbn._cli.measure import machine_info
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("layers", "blocks", "profiles", "memory", "model", "collectives", "compute")
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         for world_size in settings["world_sizes"]:
             _log(f"collectives per layer call on {world_size} ranks")
             results["collectives"][str(world_size)] = run_on_ranks(
-                suite.collectives_rank, world_size, settings, backend=settings["backend"]
+                suite.collectives_rank,
+                world_size,
+                settings,
+                backend=settings["backend"],
+                timeout=600.0,
             )
     if "compute" in settings["sections"] and not args.quick and args.device == "cpu":
         _log("compute without the transport, one process (compute.py -> compute.md)")

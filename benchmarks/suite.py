@@ -1,7 +1,7 @@
 """What every benchmark rank runs; ``run.py`` spawns the ranks and writes the results.
 
 Every function here named ``*_rank`` is called as ``fn(rank, world_size, settings)`` on
-all ranks at once (see :func:`syncbn._bench.run_on_ranks`) and returns plain Python
+all ranks at once (see :func:`syncbn._cli.launch.run_on_ranks`) and returns plain Python
 data (numbers, strings, lists, dicts) that ``run.py`` stores as JSON.
 """
 
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import syncbn
-from syncbn._bench import (
+from syncbn._cli.measure import (
     count_collectives,
     layer_callables,
     layer_collectives,

@@ -1,4 +1,4 @@
-"""``syncbn bench`` (syncbn._bench) and the pure helpers of the benchmark suite (benchmarks/)."""
+"""``syncbn bench`` (syncbn._cli.bench, .measure) and the helpers of benchmarks/."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from _harness import WorkerPool
 
 import syncbn
-from syncbn import _bench, cli
+from syncbn import _cli as cli
+from syncbn._cli import bench, measure
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -86,7 +87,7 @@ def test_bench_writes_sane_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize("text", ["2", "2x0x3", "axb", ""])
 def test_bench_rejects_bad_shapes(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="expected a shape like"):
-        _bench.parse_shape(text)
+        bench.parse_shape(text)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,7 @@ def test_bench_rejects_bad_shapes(text: str) -> None:
 )
 def test_bench_rejects_bad_options(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
-    _bench.add_arguments(parser)
+    bench.add_arguments(parser)
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(option)
     assert exit_info.value.code == 2
@@ -110,7 +111,7 @@ def test_measure_alone_agrees_with_call_counts() -> None:
 
         return fn
 
-    timings = _bench.measure(
+    timings = measure.measure(
         {"a": call("a"), "b": call("b")}, repeats=3, min_block_time=1e-4, warmup=2
     )
     for name, timing in timings.items():
@@ -118,19 +119,19 @@ def test_measure_alone_agrees_with_call_counts() -> None:
         # warm-up + calibration blocks (doubling from 1) + the timed blocks
         assert calls[name] >= 2 + 3 * timing.calls_per_block
     with pytest.raises(ValueError, match="repeats must be positive"):
-        _bench.measure({"a": call("a")}, repeats=0)
+        measure.measure({"a": call("a")}, repeats=0)
 
 
 def test_count_collectives_records_and_restores() -> None:
     original = dist.all_reduce
-    with _bench.count_collectives() as log:
+    with measure.count_collectives() as log:
         assert dist.all_reduce is not original
         with pytest.raises((RuntimeError, ValueError)):  # no process group in this process
             dist.all_reduce(torch.zeros(3, dtype=torch.float64))
         with pytest.raises((RuntimeError, ValueError)):
             dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.zeros(2))
     assert dist.all_reduce is original
-    assert log == [_bench.Collective("all_reduce", 24), _bench.Collective("all_gather", 8)]
+    assert log == [measure.Collective("all_reduce", 24), measure.Collective("all_gather", 8)]
 
 
 # --------------------------------------------------------------------------- benchmarks/
@@ -260,7 +261,7 @@ def test_derive_and_render_whole_report() -> None:
     results = {
         "command": "python benchmarks/run.py",
         "wall_s": 1.0,
-        "machine": _bench.machine_info(),
+        "machine": measure.machine_info(),
         "load_average_end": [0.1, 0.1, 0.1],
         "settings": {
             "world_size": 2,
