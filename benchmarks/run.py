@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path.write_text(report.render_markdown(results, derived))
     _log(f"wrote {md_path} and {json_path} in {results['wall_s']:.0f} s")
     for target in derived["targets"]:
-        print(f"{target['verdict']:4}  {report._describe_target(target)}")
+        print(f"{target['verdict']:4}  {report.describe_target(target)}")
     return 0
 
 
