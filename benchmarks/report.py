@@ -551,6 +551,10 @@ def _kib(value: int | None) -> str:
     return "" if value is None else f"{value / 1024:.0f}"
 
 
+def _bytes_cell(layer: str, key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda case: _kib(case[layer][key])
+
+
 def _memory_section(memory: list[dict[str, Any]]) -> list[str]:
     columns: list[Column] = [
         ("case", _case_label),
@@ -558,9 +562,7 @@ def _memory_section(memory: list[dict[str, Any]]) -> list[str]:
     ]
     for kind in ("saved", "peak"):
         for layer, name in (("batchnorm", "BN"), ("syncbn", "SyncBN"), ("reference", "reference")):
-            columns.append(
-                (f"{kind} {name}", lambda case, k=kind, la=layer: _kib(case[la][f"{k}_bytes"]))
-            )
+            columns.append((f"{kind} {name}", _bytes_cell(layer, f"{kind}_bytes")))
         if kind == "saved":
             columns.append(("SyncBN <= BN", lambda case: case["saved_verdict"]))
     return [

@@ -144,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.render is not None:
-        results = json.loads(args.render.read_text())
-        derived = report.derive(results)
-        results["derived"] = derived
-        args.render.write_text(json.dumps(results, indent=1) + "\n")
+        measured: dict[str, Any] = json.loads(args.render.read_text())
+        derived = report.derive(measured)
+        measured["derived"] = derived
+        args.render.write_text(json.dumps(measured, indent=1) + "\n")
         markdown = args.render.with_suffix(".md")
-        markdown.write_text(report.render_markdown(results, derived))
+        markdown.write_text(report.render_markdown(measured, derived))
         _log(f"rewrote {markdown} from {args.render}")
         return 0
     settings = _settings(args)

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,8 @@ def _layers(channels: int, ndim: int, device: torch.device) -> dict[str, nn.Modu
         layers["torch_syncbn"] = nn.SyncBatchNorm(channels, device=device)
     for layer in layers.values():
         with torch.no_grad():  # non-trivial affine parameters
-            layer.weight.uniform_(0.5, 1.5)
-            layer.bias.uniform_(-0.5, 0.5)
+            cast(torch.Tensor, layer.weight).uniform_(0.5, 1.5)
+            cast(torch.Tensor, layer.bias).uniform_(-0.5, 0.5)
     return layers
 
 
@@ -155,7 +155,7 @@ def _layer_case(
     }
     del outputs
 
-    unchecked = copy.deepcopy(layers["syncbn"])
+    unchecked: Any = copy.deepcopy(layers["syncbn"])
     unchecked.check_layer_order = False
     fns: dict[str, Callable[[], object]] = {}
     for name, layer in layers.items():
