@@ -261,6 +261,7 @@ def launch(
     context = multiprocessing.get_context("spawn")
     outbox = context.Queue()
     processes: list[Any] = []
+    earlier = set(multiprocessing.active_children())
     with tempfile.TemporaryDirectory(prefix="syncbn-ranks-") as workdir:
         init_file = os.path.join(workdir, "rendezvous")
         outcomes: dict[int, Outcome] = {}
@@ -281,7 +282,9 @@ def launch(
             if len(outcomes) == world_size and all(o.status == "ok" for o in outcomes.values()):
                 grace = TEARDOWN_GRACE
         finally:
-            stop(processes, grace)
+            # also a rank whose start was interrupted before it was listed
+            started = [p for p in multiprocessing.active_children() if p not in earlier]
+            stop([*processes, *(p for p in started if p not in processes)], grace)
         # reports that arrived while the ranks were being stopped (e.g. the peers' errors)
         while _receive(outbox, outcomes, 0.05) is not None:
             pass
