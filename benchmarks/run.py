@@ -27,6 +27,8 @@ import syncbn
 from syncbn._cli.launch import run_on_ranks
 from syncbn._cli.measure import machine_info
 
+__all__ = ["main"]
+
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("layers", "blocks", "profiles", "memory", "model", "collectives", "compute")
 # sections measured outside the ranks of the main suite
