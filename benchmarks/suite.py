@@ -8,7 +8,6 @@ data (numbers, strings, lists, dicts) that ``run.py`` stores as JSON.
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import sys
 import time
@@ -170,9 +169,6 @@ def _layer_case(
     forward_log, backward_log = layer_collectives(layers["syncbn"], x, dy)
     fns["all_reduce.forward"] = replay_callable(forward_log, device)
     fns["all_reduce.backward"] = replay_callable(backward_log, device)
-    # SyncBN's own large-tensor steps, without collectives, interleaved with the rest
-    phase_weight = torch.ones(channels, device=device)
-    fns.update(_syncbn_phases(x.detach(), dy, phase_weight))
     timings = measure(
         fns,
         repeats=settings["repeats"],
@@ -242,38 +238,6 @@ def _block_fns(case: dict[str, Any], rank: int, device: torch.device) -> dict[st
         "two_addcmul": lambda: torch.addcmul(c, x, a).addcmul_(dy, b),
     }
     return fns
-
-
-def _syncbn_phases(
-    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor
-) -> dict[str, Callable[[], object]]:
-    """SyncBatchNorm's own large-tensor steps (``syncbn._stats``), to time without collectives.
-
-    These call private functions of the core directly: when the core changes them,
-    this breaks loudly and is updated with it.
-    """
-    from syncbn import _stats
-
-    eps = 1e-5
-    count = x.numel() // x.shape[1]
-    total, square_total = _stats.local_sums(x)
-    buffer = _stats.pack_forward(count, total, square_total, fingerprint=0)
-    stats = _stats.batch_statistics(
-        buffer, count, eps, weight, weight, torch.zeros_like(total), weight.dtype
-    )
-    mean, var, scale = stats.saved.unbind()
-    sum_dy, sum_dy_xhat = _stats.backward_sums(dy, x, mean, var, eps)
-    totals = torch.stack([sum_dy, sum_dy_xhat]).double()
-    return {
-        "syncbn:local_sums": functools.partial(_stats.local_sums, x),
-        "syncbn:normalize": functools.partial(
-            F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
-        ),
-        "syncbn:backward_sums": functools.partial(_stats.backward_sums, dy, x, mean, var, eps),
-        "syncbn:input_grad": functools.partial(
-            _stats.input_grad, dy, x, mean, var, scale, eps, totals, count
-        ),
-    }
 
 
 def blocks_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
