@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from compute import _TwoIdenticalRanks
 
+__all__ = ["main"]
+
 HERE = Path(__file__).parent
 REPO = HERE.parent
 SHAPES = ["16x1024", "8x64x8x8", "2x64x56x56", "2x64x56x56:cl", "8x256x14x14", "32x512x7x7"]

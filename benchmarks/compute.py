@@ -41,6 +41,8 @@ from torch.utils.benchmark import Timer
 
 from syncbn._autograd import LayerInfo, TrainOptions, sync_batch_norm_train
 
+__all__ = ["main"]
+
 SHAPES = [
     (2, 64, 56, 56),
     (8, 256, 14, 14),

@@ -24,7 +24,10 @@ import report
 import suite
 
 import syncbn
-from syncbn._bench import machine_info, run_on_ranks
+from syncbn._cli.launch import run_on_ranks
+from syncbn._cli.measure import machine_info
+
+__all__ = ["main"]
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("layers", "blocks", "profiles", "memory", "model", "collectives", "compute")
@@ -143,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.render is not None:
-        results = json.loads(args.render.read_text())
-        derived = report.derive(results)
-        results["derived"] = derived
-        args.render.write_text(json.dumps(results, indent=1) + "\n")
+        measured: dict[str, Any] = json.loads(args.render.read_text())
+        derived = report.derive(measured)
+        measured["derived"] = derived
+        args.render.write_text(json.dumps(measured, indent=1) + "\n")
         markdown = args.render.with_suffix(".md")
-        markdown.write_text(report.render_markdown(results, derived))
+        markdown.write_text(report.render_markdown(measured, derived))
         _log(f"rewrote {markdown} from {args.render}")
         return 0
     settings = _settings(args)
@@ -177,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         for world_size in settings["world_sizes"]:
             _log(f"collectives per layer call on {world_size} ranks")
             results["collectives"][str(world_size)] = run_on_ranks(
-                suite.collectives_rank, world_size, settings, backend=settings["backend"]
+                suite.collectives_rank,
+                world_size,
+                settings,
+                backend=settings["backend"],
+                timeout=600.0,
             )
     if "compute" in settings["sections"] and not args.quick and args.device == "cpu":
         _log("compute without the transport, one process (compute.py -> compute.md)")
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path.write_text(report.render_markdown(results, derived))
     _log(f"wrote {md_path} and {json_path} in {results['wall_s']:.0f} s")
     for target in derived["targets"]:
-        print(f"{target['verdict']:4}  {report._describe_target(target)}")
+        print(f"{target['verdict']:4}  {report.describe_target(target)}")
     return 0
 
 

@@ -1,20 +1,19 @@
 """What every benchmark rank runs; ``run.py`` spawns the ranks and writes the results.
 
 Every function here named ``*_rank`` is called as ``fn(rank, world_size, settings)`` on
-all ranks at once (see :func:`syncbn._bench.run_on_ranks`) and returns plain Python
+all ranks at once (see :func:`syncbn._cli.launch.run_on_ranks`) and returns plain Python
 data (numbers, strings, lists, dicts) that ``run.py`` stores as JSON.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import syncbn
-from syncbn._bench import (
+from syncbn._cli.measure import (
     count_collectives,
     layer_callables,
     layer_collectives,
@@ -106,8 +105,8 @@ def _layers(channels: int, ndim: int, device: torch.device) -> dict[str, nn.Modu
         layers["torch_syncbn"] = nn.SyncBatchNorm(channels, device=device)
     for layer in layers.values():
         with torch.no_grad():  # non-trivial affine parameters
-            layer.weight.uniform_(0.5, 1.5)
-            layer.bias.uniform_(-0.5, 0.5)
+            cast(torch.Tensor, layer.weight).uniform_(0.5, 1.5)
+            cast(torch.Tensor, layer.bias).uniform_(-0.5, 0.5)
     return layers
 
 
@@ -155,7 +154,7 @@ def _layer_case(
     }
     del outputs
 
-    unchecked = copy.deepcopy(layers["syncbn"])
+    unchecked: Any = copy.deepcopy(layers["syncbn"])
     unchecked.check_layer_order = False
     fns: dict[str, Callable[[], object]] = {}
     for name, layer in layers.items():
@@ -170,9 +169,6 @@ def _layer_case(
     forward_log, backward_log = layer_collectives(layers["syncbn"], x, dy)
     fns["all_reduce.forward"] = replay_callable(forward_log, device)
     fns["all_reduce.backward"] = replay_callable(backward_log, device)
-    # SyncBN's own large-tensor steps, without collectives, interleaved with the rest
-    phase_weight = torch.ones(channels, device=device)
-    fns.update(_syncbn_phases(x.detach(), dy, phase_weight))
     timings = measure(
         fns,
         repeats=settings["repeats"],
@@ -242,41 +238,6 @@ def _block_fns(case: dict[str, Any], rank: int, device: torch.device) -> dict[st
         "two_addcmul": lambda: torch.addcmul(c, x, a).addcmul_(dy, b),
     }
     return fns
-
-
-def _syncbn_phases(
-    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor
-) -> dict[str, Callable[[], object]]:
-    """SyncBatchNorm's own large-tensor steps (``syncbn._kernels``), to time without collectives.
-
-    These call private functions of the core directly: when the core changes them,
-    this breaks loudly and is updated with it.
-    """
-    from syncbn import _protocol, _stats
-    from syncbn._kernels import kernels_for
-
-    kernels = kernels_for(x.device)
-    eps = 1e-5
-    count = x.numel() // x.shape[1]
-    moments = kernels.local_moments(x)
-    buffer = _protocol.pack_forward(count, moments.total, moments.square_total, fingerprint=0)
-    mean, var, scale = _stats.global_statistics(
-        _protocol.forward_sums(buffer), count, eps, weight
-    )
-    saved = torch.stack([mean, var, scale]).to(weight.dtype)
-    mean, var, scale = saved.unbind()
-    sum_dy, sum_dy_xhat = kernels.backward_reduce(dy, x, mean, var, eps)
-    totals = torch.stack([sum_dy, sum_dy_xhat]).double()
-    return {
-        "syncbn:local_sums": functools.partial(kernels.local_moments, x),
-        "syncbn:normalize": functools.partial(
-            F.batch_norm, x, mean, var, weight, weight, False, 0.0, eps
-        ),
-        "syncbn:backward_sums": functools.partial(kernels.backward_reduce, dy, x, mean, var, eps),
-        "syncbn:input_grad": functools.partial(
-            kernels.input_grad, dy, x, saved, eps, totals, count
-        ),
-    }
 
 
 def blocks_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import syncbn
 
+__all__ = ["accuracy", "main", "make_datasets", "make_model", "parse_args", "train"]
+
 NUM_CLASSES = 4
 IMAGE_SIZE = 16
 

@@ -4,7 +4,8 @@ Spawning a rank costs an interpreter and a torch import (seconds), so each pool 
 started once per test session and runs many scenarios. A scenario is a top-level
 function ``fn(rank, world_size, *args)``, pickled by reference; it runs on every
 rank at once with the default process group initialized (gloo, ``file://``
-rendezvous in a temporary directory, one thread per rank). Every wait is bounded:
+rendezvous in a temporary directory, one thread per rank: the rank initialisation of
+:mod:`syncbn._cli.launch`, the launcher of the demo and the benchmarks). Every wait is bounded:
 a scenario that does not finish in time, or that raises on any rank, makes
 :meth:`WorkerPool.run` raise with every rank's traceback, and the pool is rebuilt
 so that the next scenario starts from fresh processes and a fresh process group.
@@ -12,7 +13,6 @@ so that the next scenario starts from fresh processes and a fresh process group.
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import queue
@@ -22,14 +22,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from syncbn._cli.launch import init_rank, launch
+
 __all__ = ["ScenarioError", "WorkerPool", "run_isolated"]
 
-#: Process-group timeout of the pool's ranks: a collective that waits longer fails.
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=30)
+#: Process-group timeout of the pool's ranks in seconds: a collective that waits longer fails.
+PROCESS_GROUP_TIMEOUT = 30.0
 STARTUP_TIMEOUT = 120.0
 
 
@@ -37,22 +38,10 @@ class ScenarioError(RuntimeError):
     """A scenario raised, or did not finish in time, on at least one rank."""
 
 
-def _init_rank(rank: int, world_size: int, init_file: str, pg_timeout: float) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=pg_timeout),
-    )
-
-
 def _worker_main(
     rank: int, world_size: int, init_file: str, inbox: Any, outbox: Any, pg_timeout: float
 ) -> None:
-    _init_rank(rank, world_size, init_file, pg_timeout)
+    init_rank(rank, world_size, init_file, timeout=pg_timeout)
     outbox.put((rank, "ready", None))
     while True:
         task = inbox.get()
@@ -76,7 +65,7 @@ class WorkerPool:
         pg_timeout: the process group's timeout in seconds.
     """
 
-    def __init__(self, world_size: int, pg_timeout: float = PROCESS_GROUP_TIMEOUT.total_seconds()):
+    def __init__(self, world_size: int, pg_timeout: float = PROCESS_GROUP_TIMEOUT):
         self.world_size = world_size
         self.pg_timeout = pg_timeout
         self._context = mp.get_context("spawn")
@@ -168,25 +157,6 @@ class WorkerPool:
             self._tmpdir.cleanup()
 
 
-def _isolated_main(
-    rank: int,
-    world_size: int,
-    init_file: str,
-    outbox: Any,
-    pg_timeout: float,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-) -> None:
-    _init_rank(rank, world_size, init_file, pg_timeout)
-    try:
-        outbox.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:
-        outbox.put((rank, "error", traceback.format_exc()))
-    outbox.close()
-    outbox.join_thread()
-    os._exit(0)  # skip the process group's teardown, which may wait for dead peers
-
-
 def run_isolated(
     fn: Callable[..., Any],
     world_size: int,
@@ -196,39 +166,21 @@ def run_isolated(
 ) -> list[tuple[str, Any]]:
     """Run ``fn(rank, world_size, *args)`` once on fresh ranks, for scenarios that break ranks.
 
+    Every rank runs to its own end (no rank is stopped because another failed), and
+    leaves without the process group's teardown, which may wait for dead peers.
+
     Returns:
         Per rank, ``("ok", result)``, ``("error", traceback)``, ``("dead", exitcode)`` for
         a process that died without reporting, or ``("timeout", None)`` for one still
         running after ``timeout`` seconds (it is killed).
     """
-    context = mp.get_context("spawn")
-    outbox = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="syncbn-isolated-") as tmpdir:
-        init_file = os.path.join(tmpdir, "rendezvous")
-        processes = [
-            context.Process(
-                target=_isolated_main,
-                args=(rank, world_size, init_file, outbox, pg_timeout, fn, args),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        outcomes: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(outcomes) < world_size and time.monotonic() < deadline:
-            try:
-                rank, status, value = outbox.get(timeout=0.2)
-                outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
-            except queue.Empty:
-                for rank, process in enumerate(processes):
-                    # a rank that reported exits with 0; anything else died before reporting
-                    if rank not in outcomes and process.exitcode not in (None, 0):
-                        outcomes[rank] = ("dead", process.exitcode)
-        for rank, process in enumerate(processes):
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=5.0)
-            outcomes.setdefault(rank, ("timeout", None))
-    return [outcomes[rank] for rank in range(world_size)]
+    outcomes = launch(
+        fn,
+        world_size,
+        *args,
+        timeout=timeout,
+        pg_timeout=pg_timeout,
+        stop_on_error=False,
+        teardown=False,
+    )
+    return [(outcome.status, outcome.value) for outcome in outcomes]

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from _harness import WorkerPool
 
+__all__ = ["pool", "pool2", "pool3"]
+
 
 def _pool(world_size: int) -> Iterator[WorkerPool]:
     pool = WorkerPool(world_size)

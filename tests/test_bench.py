@@ -1,4 +1,4 @@
-"""``syncbn bench`` (syncbn._bench) and the pure helpers of the benchmark suite (benchmarks/)."""
+"""``syncbn bench`` (syncbn._cli.bench, .measure) and the helpers of benchmarks/."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from _harness import WorkerPool
 
 import syncbn
-from syncbn import _bench, cli
+from syncbn import _cli as cli
+from syncbn._cli import bench, measure
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -86,7 +87,7 @@ def test_bench_writes_sane_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize("text", ["2", "2x0x3", "axb", ""])
 def test_bench_rejects_bad_shapes(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="expected a shape like"):
-        _bench.parse_shape(text)
+        bench.parse_shape(text)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,7 @@ def test_bench_rejects_bad_shapes(text: str) -> None:
 )
 def test_bench_rejects_bad_options(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
-    _bench.add_arguments(parser)
+    bench.add_arguments(parser)
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(option)
     assert exit_info.value.code == 2
@@ -110,7 +111,7 @@ def test_measure_alone_agrees_with_call_counts() -> None:
 
         return fn
 
-    timings = _bench.measure(
+    timings = measure.measure(
         {"a": call("a"), "b": call("b")}, repeats=3, min_block_time=1e-4, warmup=2
     )
     for name, timing in timings.items():
@@ -118,19 +119,19 @@ def test_measure_alone_agrees_with_call_counts() -> None:
         # warm-up + calibration blocks (doubling from 1) + the timed blocks
         assert calls[name] >= 2 + 3 * timing.calls_per_block
     with pytest.raises(ValueError, match="repeats must be positive"):
-        _bench.measure({"a": call("a")}, repeats=0)
+        measure.measure({"a": call("a")}, repeats=0)
 
 
 def test_count_collectives_records_and_restores() -> None:
     original = dist.all_reduce
-    with _bench.count_collectives() as log:
+    with measure.count_collectives() as log:
         assert dist.all_reduce is not original
         with pytest.raises((RuntimeError, ValueError)):  # no process group in this process
             dist.all_reduce(torch.zeros(3, dtype=torch.float64))
         with pytest.raises((RuntimeError, ValueError)):
             dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.zeros(2))
     assert dist.all_reduce is original
-    assert log == [_bench.Collective("all_reduce", 24), _bench.Collective("all_gather", 8)]
+    assert log == [measure.Collective("all_reduce", 24), measure.Collective("all_gather", 8)]
 
 
 # --------------------------------------------------------------------------- benchmarks/
@@ -216,13 +217,14 @@ def test_derive_layer_ratios_and_targets() -> None:
         row["compute_vs_floor"] == pytest.approx(3.75) and row["compute_vs_floor_verdict"] == "MISS"
     )
     assert row["speedup_vs_reference"] == pytest.approx(3.0)
-    assert row["layer_order_check_s"] == pytest.approx(0.01)
+    assert "cpu" not in row  # no CPU times measured
     case = _layer_case("float32", "contiguous", syncbn_s=2.0)
-    case["times_s"].update({"syncbn:local_sums": 0.5, "syncbn:input_grad": 0.25})
-    case["best_s"] = {**case["times_s"], "batchnorm.forward_backward": 1.5}
-    with_parts = report.derive_layer(case)
-    assert with_parts["rest_s"] == pytest.approx(0.75)  # 1.5 - 0.5 - 0.25
-    assert with_parts["best"]["compute_vs_batchnorm"] == pytest.approx(1.0)
+    case["cpu_s"] = {**case["times_s"], "batchnorm.forward_backward": 1.5}
+    cpu = report.derive_layer(case)["cpu"]
+    assert cpu["collectives_s"] == pytest.approx(0.5)
+    assert cpu["syncbn_compute_s"] == pytest.approx(1.5)
+    assert cpu["compute_vs_batchnorm"] == pytest.approx(1.0)
+    assert cpu["reference_vs_syncbn"] == pytest.approx(3.0)
     slow_bf16 = report.derive_layer(_layer_case("bfloat16", "channels_last", syncbn_s=3.8))
     assert slow_bf16["compute_vs_batchnorm_limit"] == 1.0
     assert slow_bf16["compute_vs_batchnorm_verdict"] == "MISS"
@@ -260,7 +262,7 @@ def test_derive_and_render_whole_report() -> None:
     results = {
         "command": "python benchmarks/run.py",
         "wall_s": 1.0,
-        "machine": _bench.machine_info(),
+        "machine": measure.machine_info(),
         "load_average_end": [0.1, 0.1, 0.1],
         "settings": {
             "world_size": 2,
@@ -318,25 +320,6 @@ def test_suite_cases_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
     batchnorms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert len(batchnorms) >= 10
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-
-
-def test_categorize_profile_ops() -> None:
-    report = _load("report")
-    ops = [
-        {"name": "aten::native_batch_norm_backward", "self_us": 5.0},
-        {"name": "aten::native_batch_norm", "self_us": 3.0},
-        {"name": "dist.all_reduce (call and wait)", "self_us": 7.0},
-        {"name": "c10d::allreduce_", "self_us": 1.0},
-        {"name": "aten::sum", "self_us": 2.0},
-        {"name": "_SyncBatchNormFunction", "self_us": 4.0},
-    ]
-    totals = report.categorize(ops)
-    assert totals["native_batch_norm_backward"] == 5.0
-    assert totals["batch_norm forward kernel"] == 3.0
-    assert totals["collectives"] == 8.0
-    assert totals["sub/square/sum"] == 2.0
-    assert totals[report.OTHER] == 4.0
-    assert sum(totals.values()) == sum(op["self_us"] for op in ops)
 
 
 def test_compute_case_times_both_variants_and_counts_faults(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import subprocess
 import sys
 import types
@@ -13,12 +15,12 @@ import pytest
 import torch
 
 import syncbn
-from syncbn import cli
+from syncbn import _cli as cli
 
 
 def _fake_bench(run_result: int | Exception) -> types.ModuleType:
-    """A stand-in for syncbn._bench with the subcommand interface, recording its calls."""
-    module = types.ModuleType("syncbn._bench")
+    """A stand-in for syncbn._cli.bench with the subcommand interface, recording its calls."""
+    module = types.ModuleType("syncbn._cli.bench")
     module.calls = []  # type: ignore[attr-defined]
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +39,7 @@ def _fake_bench(run_result: int | Exception) -> types.ModuleType:
 
 def test_console_script_points_to_main() -> None:
     scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
-    assert scripts.get("syncbn") == "syncbn.cli:main"
+    assert scripts.get("syncbn") == "syncbn._cli:main"
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,7 +130,7 @@ def test_demo_cuda_without_cuda_is_a_usage_error(
 
 def test_bench_is_dispatched_to_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_bench(run_result=7)
-    monkeypatch.setitem(sys.modules, "syncbn._bench", fake)
+    monkeypatch.setitem(sys.modules, "syncbn._cli.bench", fake)
     assert cli.main(["bench", "--repeat", "3"]) == 7
     (args,) = fake.calls  # type: ignore[attr-defined]
     assert args.command == "bench" and args.repeat == 3
@@ -138,7 +140,7 @@ def test_argument_error_from_run_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = _fake_bench(argparse.ArgumentError(None, "argument --repeat: too many for 2 ranks"))
-    monkeypatch.setitem(sys.modules, "syncbn._bench", fake)
+    monkeypatch.setitem(sys.modules, "syncbn._cli.bench", fake)
     assert cli.main(["bench", "--repeat", "9"]) == 2
     err = capsys.readouterr().err
     assert "usage: syncbn bench" in err
@@ -148,7 +150,7 @@ def test_argument_error_from_run_is_a_usage_error(
 def test_missing_command_module_leaves_the_others_working(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "syncbn._bench", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "syncbn._cli.bench", None)  # import raises ModuleNotFoundError
     assert cli.main(["--help"]) == 0
     assert "not available" in capsys.readouterr().out
     assert cli.main(["bench"]) == 1
@@ -165,3 +167,58 @@ def test_python_dash_m_syncbn() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: syncbn demo")
+
+
+def test_help_imports_neither_torch_nor_the_library() -> None:
+    """``syncbn --help`` is fast: torch and the core are imported only when a command runs."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from syncbn._cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    code = main(['--help'])\n"
+        "print(json.dumps([code, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'syncbn'))]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    exit_code, modules = json.loads(result.stdout)
+    assert exit_code == 0
+    assert [m for m in modules if not m.startswith("syncbn._cli")] == ["syncbn"]
+
+
+def _cli_imports() -> dict[str, set[str]]:
+    """Which modules of ``syncbn._cli`` each of them imports, also inside functions."""
+    package = Path(cli.__file__).parent
+    names = {
+        path: "syncbn._cli" if path.stem == "__init__" else f"syncbn._cli.{path.stem}"
+        for path in package.glob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for path, name in names.items():
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+                # "from syncbn._cli import launch" imports the submodule, not the package's code
+                imported.update(submodules & set(names.values()) or {node.module})
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                imported.add(node.value)  # importlib.import_module("syncbn._cli.demo")
+        graph[name] = (imported & set(names.values())) - {name}
+    return graph
+
+
+def test_the_command_line_has_no_import_cycle() -> None:
+    graph = _cli_imports()
+    assert "syncbn._cli.demo" in graph["syncbn._cli"]  # the graph sees importlib's imports
+    assert graph["syncbn._cli.demo_train"] == {"syncbn._cli.demo_config"}
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join([*path, module])}"
+        for imported in graph[module]:
+            visit(imported, [*path, module])
+
+    for module in graph:
+        visit(module, [])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from _harness import WorkerPool
 
 import syncbn
-from syncbn._bench import Collective, count_collectives
+from syncbn._cli.measure import Collective, count_collectives
 
 
 def _count_collectives(rank: int, world_size: int, channels: int) -> dict[str, Any]:

@@ -32,6 +32,12 @@ def _outcome(fn: Any) -> tuple[str, str]:
     return "ok", ""
 
 
+def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    grads = [(name, p.grad) for name, p in model.named_parameters()]
+    assert all(g is not None for _, g in grads), "a parameter got no gradient"
+    return [(name, g.clone()) for name, g in grads if g is not None]
+
+
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(
@@ -77,10 +83,7 @@ def _steps(
         x = torch.randn(size, 3, 8, 8, generator=gen, dtype=torch.float64)
         y = run(x)
         y.square().sum().backward()
-        records.append(
-            {"output": y.detach().clone()}
-            | {f"grad.{k}": p.grad.clone() for k, p in model.named_parameters()}
-        )
+        records.append({"output": y.detach().clone()} | {f"grad.{k}": g for k, g in _grads(model)})
         model.zero_grad()
     return records
 

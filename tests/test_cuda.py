@@ -55,6 +55,12 @@ def _alone_groups(world_size: int) -> list[dist.ProcessGroup]:
     return [dist.new_group([r], backend="nccl") for r in range(world_size)]
 
 
+def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    grads = [(name, p.grad) for name, p in model.named_parameters()]
+    assert all(g is not None for _, g in grads), "a parameter got no gradient"
+    return [(name, g.clone()) for name, g in grads if g is not None]
+
+
 def _small_model() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
@@ -94,7 +100,7 @@ def _nccl_alone(rank: int, world_size: int) -> dict[str, Any]:
     for name, model in (("plain", plain), ("synced", synced)):
         model(x).square().sum().backward()
         results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()} | {
-            f"grad.{k}": p.grad.cpu() for k, p in model.named_parameters()
+            f"grad.{k}": g.cpu() for k, g in _grads(model)
         }
     return results
 
@@ -107,7 +113,8 @@ def test_nccl_group_of_one_with_the_sync_path_equals_batchnorm(pool2: WorkerPool
 
 def _no_host_sync(rank: int, world_size: int) -> dict[str, Any]:
     group = _alone_groups(world_size)[rank]
-    model = _synced(_resnet_or_small(), group).cuda().to(memory_format=torch.channels_last)
+    model = _synced(_resnet_or_small(), group).cuda()
+    model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
 

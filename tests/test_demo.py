@@ -18,8 +18,8 @@ import matplotlib.image
 import pytest
 from PIL import Image
 
-from syncbn import cli
-from syncbn._demo import PLOT_FILE, RESULTS_FILE, DemoConfig, DemoError, run_demo
+from syncbn import _cli as cli
+from syncbn._cli.demo import PLOT_FILE, RESULTS_FILE, DemoConfig, DemoError, run_demo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,7 @@ import syncbn
 from syncbn._kernels import generic
 
 #: the pool's process-group timeout: a rank left waiting fails only after it
-PG_TIMEOUT = PROCESS_GROUP_TIMEOUT.total_seconds()
+PG_TIMEOUT = PROCESS_GROUP_TIMEOUT
 
 
 def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
@@ -84,15 +84,20 @@ def test_exception_in_local_maths_reaches_every_rank_promptly(pool: WorkerPool, 
 # --- an empty global batch ---------------------------------------------------------------------
 
 
-def _all_empty(rank: int, world_size: int) -> dict[str, Any]:
-    bn = syncbn.SyncBatchNorm(3, momentum=None, dtype=torch.float64)
+def _with_running_stats(bn: Any) -> Any:
     with torch.no_grad():
         bn.running_mean.fill_(0.25)
         bn.running_var.fill_(2.0)
+    return bn
+
+
+def _all_empty(rank: int, world_size: int) -> dict[str, Any]:
+    bn = _with_running_stats(syncbn.SyncBatchNorm(3, momentum=None, dtype=torch.float64))
     x = torch.randn(0, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     y = bn(x)
     y.sum().backward()
+    assert x.grad is not None
     # then a normal call: the cumulative average counts the empty call, as BatchNorm does
     z = torch.randn(2, 3, 4, 5, dtype=torch.float64)
     bn(z)
@@ -108,10 +113,7 @@ def _all_empty(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_empty_global_batch_behaves_like_batchnorm(pool: WorkerPool) -> None:
     results = pool.run(_all_empty)
-    reference = nn.BatchNorm2d(3, momentum=None, dtype=torch.float64)
-    with torch.no_grad():
-        reference.running_mean.fill_(0.25)
-        reference.running_var.fill_(2.0)
+    reference = _with_running_stats(nn.BatchNorm2d(3, momentum=None, dtype=torch.float64))
     x = torch.randn(0, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     y = reference(x)
@@ -152,7 +154,10 @@ def _c10d_empty_inputs(rank: int, world_size: int, wrap_first: bool) -> list[dic
                 {
                     "shape": tuple(y.shape),
                     "output_nan": bool(y.isnan().any()),
-                    "grad_nan": any(bool(p.grad.isnan().any()) for p in model.parameters()),
+                    "grad_nan": any(
+                        p.grad is not None and bool(p.grad.isnan().any())
+                        for p in model.parameters()
+                    ),
                 }
             )
             model.zero_grad()
@@ -183,7 +188,7 @@ def test_global_count_of_exactly_one_still_raises_on_every_rank(pool: WorkerPool
 # --- precise BN: small local batches and failures -------------------------------------------------
 
 
-def _precise_model() -> nn.Module:
+def _precise_model() -> Any:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.BatchNorm1d(3)).double()
 

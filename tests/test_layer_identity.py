@@ -87,6 +87,11 @@ def _train(model: nn.Module, steps: int = 2, **kwargs: Any) -> None:
         model(x, **kwargs).sum().backward()
 
 
+def _train_each(*models: nn.Module) -> None:
+    for model in models:
+        _train(model)
+
+
 class _Checkpointed(_TwoDirectLayers):
     def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
@@ -118,7 +123,7 @@ def _usual_workflows(rank: int, world_size: int, workflow: str) -> tuple[str, st
     if workflow == "deepcopy":
         original = _TwoDirectLayers()
         copied = copy.deepcopy(original)
-        return _outcome(lambda: (_train(copied), _train(original)))
+        return _outcome(lambda: _train_each(copied, original))
     if workflow == "load-state-dict":
         trained = _TwoDirectLayers()
         _train(trained)
@@ -148,7 +153,7 @@ def test_identity_is_construction_order_and_survives_copies() -> None:
     index = int(first.layer_identity[1:])
     assert second.layer_identity == f"#{index + 1}"
     assert copy.deepcopy(first).layer_identity == first.layer_identity
-    named = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
+    named: Any = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
     assert named[0].layer_identity == "0"  # converted layers are named by their module path
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from syncbn.cli import main
+from syncbn._cli import main
+
+__all__: list[str] = []
 
 if __name__ == "__main__":
     sys.exit(main())

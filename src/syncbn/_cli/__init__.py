@@ -1,4 +1,4 @@
-"""The ``syncbn`` command line (also ``python -m syncbn``).
+"""The ``syncbn`` command line (also ``python -m syncbn``): ``main(argv) -> int``.
 
 Subcommands:
 
@@ -6,8 +6,20 @@ Subcommands:
   SyncBatchNorm under DDP, one process on the global batch) and compare them.
 - ``syncbn bench``: time BatchNorm against SyncBatchNorm on local gloo ranks.
 
-Each subcommand lives in its own module (``syncbn._demo``, ``syncbn._bench``), which
-is imported only when the parser is built, and which provides two functions:
+The package holds the library's applications, apart from the library (which never
+imports it):
+
+- ``demo.py`` (the command and its parent process), ``demo_config.py`` (what the
+  parent and the ranks share), ``demo_train.py`` (what each rank runs),
+  ``demo_plot.py`` (the figure);
+- ``bench.py`` (the command) and ``measure.py`` (timing and collective counting, also
+  used by ``benchmarks/`` and the tests);
+- ``launch.py``: the multi-process launcher of the demo, the benchmarks and the tests.
+
+Importing this package, or a subcommand's module, imports neither torch nor the
+library's core: they are imported when a command runs, so ``syncbn --help`` is fast.
+Each subcommand's module is imported only when the parser is built, and provides two
+functions:
 
 - ``add_arguments(parser: argparse.ArgumentParser) -> None`` adds its options;
 - ``run(args: argparse.Namespace) -> int`` runs it and returns the exit code. It may
@@ -30,12 +42,12 @@ __all__ = ["build_parser", "main"]
 #: subcommand -> (module implementing it, one-line help)
 COMMANDS = {
     "demo": (
-        "syncbn._demo",
+        "syncbn._cli.demo",
         "train a small CNN with plain BatchNorm and with SyncBatchNorm under DDP on local "
         "processes, and with one big batch; compare them (table, plot)",
     ),
     "bench": (
-        "syncbn._bench",
+        "syncbn._cli.bench",
         "time forward+backward of BatchNorm vs SyncBatchNorm layers on local gloo ranks",
     ),
 }

@@ -7,30 +7,28 @@ after :func:`syncbn.convert_sync_batchnorm` under DDP, and (c) plain BatchNorm i
 process on the whole global batch. (b) follows (c) to rounding error; (a) does not.
 It prints a table, and writes ``curves.png`` and ``results.json`` to ``--out``.
 
-The ranks are started by ``torch.multiprocessing`` (spawn) and meet through a
-``file://`` rendezvous in a temporary directory. If a rank fails, or on Ctrl-C, every
-rank is stopped before the command returns.
+This module is the parent process; each rank runs :mod:`syncbn._cli.demo_train`,
+started by :mod:`syncbn._cli.launch` (spawn, ``file://`` rendezvous in a temporary
+directory). If a rank fails, or on Ctrl-C, every rank is stopped before the command
+returns. torch, numpy and scikit-learn are imported when the demo runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
+from syncbn._cli.demo_config import RUNS, DemoConfig, DemoData
 
 __all__ = [
     "RUNS",
@@ -44,15 +42,14 @@ __all__ = [
     "run_demo",
 ]
 
-#: Keys of the three runs, in the order they are trained.
-RUNS = ("plain_ddp", "syncbn_ddp", "single_process")
-
 DEFAULT_OUT = "syncbn-demo"
 PLOT_FILE = "curves.png"
 RESULTS_FILE = "results.json"
-# files in the temporary work directory shared with the ranks
+# the data set, saved for the ranks in a temporary directory: small arguments keep the
+# spawning of the ranks from waiting on each other
 DATA_FILE = "data.npz"
-ERROR_FILE = "error-rank{rank}.json"
+#: How long a rank waits in a collective for its peers before failing, in seconds.
+PROCESS_GROUP_TIMEOUT = 60.0
 TEST_FRACTION = 0.2
 EXIT_INTERRUPTED = 130
 _DEMO_PACKAGES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
@@ -64,63 +61,6 @@ class DemoError(RuntimeError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """Settings of one demo, shared by every rank.
-
-    ``fail_rank`` and ``fail_step`` are a testing hook, not exposed on the command
-    line: when ``fail_rank`` is set, that rank raises at step ``fail_step`` of run (a).
-    """
-
-    nproc: int = 2
-    batch_per_proc: int = 2
-    steps: int = 300
-    seed: int = 0
-    lr: float = 0.05
-    device: str = "cpu"
-    dtype: str = "float64"
-    evaluations: int = 20
-    fail_rank: int | None = None
-    fail_step: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("nproc", "batch_per_proc", "steps", "evaluations"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
-        if self.dtype not in ("float64", "float32"):
-            raise ValueError(f"dtype must be 'float64' or 'float32', got '{self.dtype}'")
-
-    @property
-    def global_batch(self) -> int:
-        return self.nproc * self.batch_per_proc
-
-    @property
-    def log_every(self) -> int:
-        """Steps between two evaluations of the curves."""
-        return max(1, self.steps // self.evaluations)
-
-    def label(self, run: str) -> str:
-        """The run's name in the table and the plot."""
-        n, b = self.nproc, self.batch_per_proc
-        ranks = f"{n} rank{'s' if n > 1 else ''}"
-        return {
-            "plain_ddp": f"(a) BatchNorm, DDP {ranks} x {b}",
-            "syncbn_ddp": f"(b) syncbn.SyncBatchNorm, DDP {ranks} x {b}",
-            "single_process": f"(c) BatchNorm, 1 process x {n * b}",
-        }[run]
-
-
-class DemoData(NamedTuple):
-    """Images of shape ``(n, 1, 8, 8)`` scaled to [0, 1] and labels 0-9, as numpy arrays."""
-
-    train_x: np.ndarray
-    train_y: np.ndarray
-    test_x: np.ndarray
-    test_y: np.ndarray
 
 
 def _positive_int(text: str) -> int:
@@ -298,85 +238,42 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop(processes: Sequence[Any]) -> None:
-    """Terminate, then kill, every process still alive, and reap them all."""
-    alive = [process for process in processes if process.is_alive()]
-    for process in alive:
-        process.terminate()
-    for process in alive:
-        process.join(timeout=5.0)
-    for process in alive:
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5.0)
-
-
-def _first_failure(workdir: str, nproc: int) -> dict[str, Any] | None:
-    """The earliest error a rank wrote, if any: the cause, not the peers' consequences."""
-    failures = []
-    for rank in range(nproc):
-        path = os.path.join(workdir, ERROR_FILE.format(rank=rank))
-        if os.path.exists(path):
-            with open(path) as file:
-                failures.append(json.load(file))
-    return min(failures, key=lambda failure: failure["time"]) if failures else None
-
-
-def _launch(
+def _train_on_ranks(
     config: DemoConfig, data: DemoData, workdir: str, on_start: Callable[[list[int]], None] | None
-) -> None:
-    """Run :func:`syncbn._demo_train.rank_main` on ``config.nproc`` spawned ranks.
+) -> dict[str, Any]:
+    """Run :func:`syncbn._cli.demo_train.rank_main` on ``config.nproc`` spawned ranks.
 
-    Returns when every rank has exited successfully. Otherwise (a rank failed, Ctrl-C,
-    SIGTERM) every rank process still alive is terminated, then killed if needed,
-    before :class:`DemoError` is raised.
+    Returns rank 0's results once every rank has exited successfully. Otherwise (a
+    rank failed, Ctrl-C, SIGTERM) every rank process still alive is terminated, then
+    killed if needed, before :class:`DemoError` is raised.
     """
-    import multiprocessing
-
     import numpy as np
-    import torch.multiprocessing as mp
 
-    from syncbn._demo_train import rank_main
+    from syncbn._cli.demo_train import rank_main
+    from syncbn._cli.launch import RankError, run_on_ranks
 
-    np.savez(os.path.join(workdir, DATA_FILE), **data._asdict())
-    earlier = set(multiprocessing.active_children())
-    processes: list[Any] = []
-    error_files: list[str] = []
+    data_path = os.path.join(workdir, DATA_FILE)
+    np.savez(data_path, **data._asdict())
     try:
-        try:
-            context = mp.start_processes(
-                rank_main,
-                args=(config, workdir),
-                nprocs=config.nproc,
-                join=False,
-                start_method="spawn",
-            )
-        finally:
-            # also the ranks already started if start_processes itself is interrupted
-            processes = [p for p in multiprocessing.active_children() if p not in earlier]
-        error_files = list(context.error_files)
-        if on_start is not None:
-            on_start(context.pids())
-        while not context.join():
-            pass
+        results = run_on_ranks(
+            rank_main,
+            config.nproc,
+            config,
+            data_path,
+            backend="nccl" if config.device == "cuda" else "gloo",
+            pg_timeout=PROCESS_GROUP_TIMEOUT,
+            on_start=on_start,
+        )
     except KeyboardInterrupt:
-        _stop(processes)
         raise DemoError("interrupted; every rank process is stopped", EXIT_INTERRUPTED) from None
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        _stop(processes)
-        failure = _first_failure(workdir, config.nproc)
-        if failure is None:
+    except RankError as error:
+        if error.traceback is None:
             raise DemoError(f"{error}; stopped every rank") from None
-        cause = failure["traceback"].strip().splitlines()[-1]
         raise DemoError(
-            f"rank {failure['rank']} failed ({cause}); stopped every rank. "
-            f"Traceback of rank {failure['rank']}:\n{failure['traceback']}"
+            f"{error}; stopped every rank. Traceback of rank {error.rank}:\n{error.traceback}"
         ) from None
-    finally:
-        _stop(processes)
-        for path in error_files:  # torch's per-rank error files, written on failure
-            with contextlib.suppress(OSError):
-                os.remove(path)
+    rank0: dict[str, Any] = results[0]
+    return rank0
 
 
 def run_demo(
@@ -401,7 +298,7 @@ def run_demo(
         DemoError: if a rank failed or the demo was interrupted; every rank process
             has been stopped.
     """
-    from syncbn._demo_plot import save_plot
+    from syncbn._cli.demo_plot import save_plot
 
     _check_environment(config.device, config.nproc)
     out = _check_out(out)
@@ -415,13 +312,11 @@ def run_demo(
     _make_out(out)
     with tempfile.TemporaryDirectory(prefix="syncbn-demo-") as workdir:
         with _sigterm_as_interrupt():
-            _launch(config, data, workdir, on_start)
-        results_path = os.path.join(workdir, RESULTS_FILE)
-        if not os.path.exists(results_path):
-            raise DemoError("rank 0 exited without writing its results (was it interrupted?)")
-        shutil.copyfile(results_path, os.path.join(out, RESULTS_FILE))
-    with open(os.path.join(out, RESULTS_FILE)) as file:
-        results: dict[str, Any] = json.load(file)
+            ranks_results = _train_on_ranks(config, data, workdir, on_start)
+    text = json.dumps(ranks_results)
+    with open(os.path.join(out, RESULTS_FILE), "w") as file:
+        file.write(text)
+    results: dict[str, Any] = json.loads(text)  # what results.json holds, JSON types
     save_plot(results, os.path.join(out, PLOT_FILE))
     return results
 

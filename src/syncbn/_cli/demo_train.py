@@ -1,10 +1,10 @@
 """The worker side of ``syncbn demo``: the model, the batches and the three training runs.
 
-Each spawned rank runs :func:`rank_main`: (a) the CNN with plain BatchNorm under
-DistributedDataParallel (per-rank statistics), then (b) the same CNN converted with
-:func:`syncbn.convert_sync_batchnorm` under DDP. Rank 0 then runs (c), the plain CNN in
-one process on the whole global batch, compares the final states of (a) and (b) with
-it, and writes everything to ``results.json`` in the work directory.
+Each rank started by :mod:`syncbn._cli.launch` runs :func:`rank_main`: (a) the CNN
+with plain BatchNorm under DistributedDataParallel (per-rank statistics), then (b) the
+same CNN converted with :func:`syncbn.convert_sync_batchnorm` under DDP. Rank 0 then
+runs (c), the plain CNN in one process on the whole global batch, compares the final
+states of (a) and (b) with it, and returns everything (what ``results.json`` holds).
 
 This module imports only torch and syncbn (no scikit-learn, matplotlib or tqdm at
 import time), so that spawned ranks start fast.
@@ -13,13 +13,8 @@ import time), so that spawned ranks start fast.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
-import socket
 import threading
 import time
-import traceback
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -31,12 +26,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
-from syncbn._demo import DATA_FILE, ERROR_FILE, RESULTS_FILE, RUNS, DemoConfig, DemoData
+from syncbn._cli.demo_config import RUNS, DemoConfig, DemoData
 
 __all__ = ["DemoNet", "global_batches", "rank_main"]
-
-#: How long a rank waits in a collective for its peers before failing.
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class DemoNet(nn.Sequential):
@@ -196,44 +188,16 @@ def _max_abs_difference(
     return result
 
 
-def _loopback_interface() -> str | None:
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except (AttributeError, OSError):
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)
+def rank_main(
+    rank: int, world_size: int, config: DemoConfig, data_path: str
+) -> dict[str, Any] | None:
+    """Train on one rank; return the demo's results on rank 0, ``None`` on the others.
 
-
-def _write_json(path: str, value: Any) -> None:
-    partial = path + ".partial"
-    with open(partial, "w") as file:
-        json.dump(value, file)
-    os.replace(partial, path)
-
-
-def rank_main(rank: int, config: DemoConfig, workdir: str) -> None:
-    """Entry point of one spawned rank (``torch.multiprocessing`` passes ``rank`` first).
-
-    The data set is read from ``data.npz`` in ``workdir`` (small arguments keep the
-    spawning of the ranks from waiting on each other).
-
-    Any exception is also written, with the time it happened, to
-    ``error-rank<rank>.json`` in ``workdir``, so that the parent can tell the rank
-    that failed first from the ranks that failed because a peer disappeared.
+    Runs in a rank started by :func:`syncbn._cli.launch.run_on_ranks` (default process
+    group initialized, one thread). The data set is read from ``data_path`` (an
+    ``.npz`` file of :class:`~syncbn._cli.demo_config.DemoData`).
     """
-    try:
-        _rank_main(rank, config, workdir)
-    except Exception:
-        _write_json(
-            os.path.join(workdir, ERROR_FILE.format(rank=rank)),
-            {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()},
-        )
-        raise
-
-
-def _rank_main(rank: int, config: DemoConfig, workdir: str) -> None:
-    torch.set_num_threads(1)
-    with np.load(os.path.join(workdir, DATA_FILE)) as arrays:
+    with np.load(data_path) as arrays:
         data = DemoData(**{name: arrays[name] for name in DemoData._fields})
     dtype = getattr(torch, config.dtype)
     if config.device == "cuda":
@@ -241,26 +205,13 @@ def _rank_main(rank: int, config: DemoConfig, workdir: str) -> None:
         torch.cuda.set_device(device)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
-        loopback = _loopback_interface()
-        if loopback is not None:  # local ranks only: keep gloo on the loopback interface
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     tensors = _Tensors(
         torch.as_tensor(data.train_x, dtype=dtype, device=device),
         torch.as_tensor(data.train_y, dtype=torch.long, device=device),
         torch.as_tensor(data.test_x, dtype=dtype, device=device),
         torch.as_tensor(data.test_y, dtype=torch.long, device=device),
-    )
-
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
-        rank=rank,
-        world_size=config.nproc,
-        timeout=PROCESS_GROUP_TIMEOUT,
     )
     try:
         records: dict[str, dict[str, Any]] = {}
@@ -270,7 +221,7 @@ def _rank_main(rank: int, config: DemoConfig, workdir: str) -> None:
     finally:
         dist.destroy_process_group()
     if rank != 0:
-        return
+        return None
 
     # (c) runs here, on rank 0 alone, after the other ranks are done: one process with one
     # thread, like each DDP rank, and no competition for the cores while it is timed.
@@ -280,14 +231,11 @@ def _rank_main(rank: int, config: DemoConfig, workdir: str) -> None:
         records[run]["max_abs_diff_vs_single_process"] = _max_abs_difference(
             states.get(run, reference), reference, parameters
         )
-    _write_json(
-        os.path.join(workdir, RESULTS_FILE),
-        {
-            "config": dataclasses.asdict(config),
-            "global_batch": config.global_batch,
-            "train_size": len(data.train_y),
-            "test_size": len(data.test_y),
-            "torch_version": torch.__version__,
-            "runs": records,
-        },
-    )
+    return {
+        "config": dataclasses.asdict(config),
+        "global_batch": config.global_batch,
+        "train_size": len(data.train_y),
+        "test_size": len(data.test_y),
+        "torch_version": torch.__version__,
+        "runs": records,
+    }
