@@ -28,6 +28,7 @@ import argparse
 import datetime
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -131,6 +132,33 @@ def accuracy(model: nn.Module, dataset: TensorDataset, device: torch.device) -> 
     return (model(images).argmax(dim=1) == labels).float().mean().item()
 
 
+def choose_device(requested: str | None, local_rank: int, local_world_size: int) -> str:
+    """``"cuda"`` (one GPU per local process) or ``"cpu"``; a clear exit where neither fits.
+
+    Without ``--device``: cuda when every local process can have its own GPU, else cpu
+    with one line saying why. ``--device cuda`` with fewer GPUs than local processes is a
+    usage error naming the fix (nccl refuses two processes on one GPU).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested is None and gpus == 0):
+        return "cpu"
+    if gpus >= local_world_size and local_rank < gpus:
+        return "cuda"
+    if requested == "cuda":
+        raise SystemExit(
+            f"train_ddp.py: error: --device cuda needs one GPU per process, but this node runs "
+            f"{local_world_size} processes and sees {gpus} GPU(s); pass --nproc_per_node={gpus} "
+            "to torchrun, or --device cpu"
+        )
+    if local_rank == 0:
+        print(
+            f"train_ddp.py: {local_world_size} processes on this node but {gpus} GPU(s): "
+            "training on CPU with gloo (pass --nproc_per_node to use the GPUs)",
+            file=sys.stderr,
+        )
+    return "cpu"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # torchrun sets these, plus MASTER_ADDR and MASTER_PORT for init_method="env://".
@@ -142,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(message)s",
     )
-    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = choose_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -20,6 +20,7 @@ from _harness import WorkerPool
 from torch import nn
 
 import syncbn
+from syncbn import _protocol
 
 pytestmark = [
     pytest.mark.cuda,
@@ -138,7 +139,7 @@ def _no_host_sync(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncbn._protocol.raise_deferred(wait=True)
+    _protocol.raise_deferred(wait=True)
     return {"outcome": outcome}
 
 

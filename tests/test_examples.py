@@ -164,3 +164,20 @@ def test_two_nodes_on_loopback(tmp_path: Path, sync: bool) -> None:
     stats = _running_stats(out, world_size=4)
     for rank in (1, 2, 3):
         assert _identical(stats[0], stats[rank]) == sync, f"rank {rank}"
+
+
+def test_fewer_gpus_than_local_processes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One GPU, two local processes: CPU with a one-line note, or a usage error with the fix."""
+    example = _example()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert example.choose_device(None, 0, 2) == "cpu"
+    assert "2 processes on this node but 1 GPU(s): training on CPU" in capsys.readouterr().err
+    assert example.choose_device(None, 1, 2) == "cpu"
+    assert capsys.readouterr().err == ""  # said once per node
+    with pytest.raises(SystemExit, match="pass --nproc_per_node=1 to torchrun, or --device cpu"):
+        example.choose_device("cuda", 1, 2)
+    assert example.choose_device(None, 0, 1) == "cuda"
+    assert example.choose_device("cpu", 0, 1) == "cpu"

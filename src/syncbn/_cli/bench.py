@@ -189,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
     if device_type == "cuda" and torch.cuda.device_count() < args.world_size:
         raise argparse.ArgumentError(
             None,
-            f"--device cuda needs one GPU per rank: {args.world_size} ranks but "
-            f"{torch.cuda.device_count()} GPU(s) visible",
+            f"--device cuda needs one GPU per rank (nccl refuses two ranks on one GPU): "
+            f"{args.world_size} ranks but {torch.cuda.device_count()} GPU(s) visible; use "
+            "--device cpu, or as many GPUs as --world-size",
         )
     backend = "nccl" if device_type == "cuda" else "gloo"
     shapes = [tuple(shape) for shape in args.shapes]
