@@ -77,7 +77,7 @@ def _step_fn(model: nn.Module, run: Any, device: torch.device) -> Any:
 
 def _rank(rank: int, world_size: int, steps: int, device_type: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     plain = SmallResNet().to(device)
     synced = syncbn.convert_sync_batchnorm(copy.deepcopy(plain))
@@ -128,6 +128,12 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _slowest(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The entry ``key`` of the rank whose median step was the slowest."""
+    entries = [result[key] for result in results]
+    return max(entries, key=lambda entry: float(entry["median_ms"]))
+
+
 def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.Namespace) -> str:
     command_options = " --device cuda" if args.device == "cuda" else ""
     lines = [
@@ -143,9 +149,7 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
         "graphs: first shape / after 5 more batch sizes incl. 0 |",
         "|---|---|---|---|---|",
     ]
-    worst = {
-        key: max(results, key=lambda r, key=key: r[key]["median_ms"])[key] for key in results[0]
-    }
+    worst = {key: _slowest(results, key) for key in results[0]}
     for key, entry in worst.items():
         mode = key.split()[1]
         ratio = entry["median_ms"] / worst[f"batchnorm {mode}"]["median_ms"]

@@ -13,7 +13,6 @@ and the running statistics are updated with device-side factors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -103,8 +102,7 @@ class Reducer(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class ProcessGroupReducer:
+class ProcessGroupReducer(NamedTuple):
     """The :class:`Reducer` of a process group: one in-place ``all_reduce``."""
 
     group: dist.ProcessGroup | None
@@ -116,8 +114,7 @@ class ProcessGroupReducer:
         return distributed.all_reduce_sum_(buffer, self.group)
 
 
-@dataclass(frozen=True)
-class LayerInfo:
+class LayerInfo(NamedTuple):
     """What identifies one call of a SyncBatchNorm layer in error messages and fingerprints.
 
     Attributes:
@@ -146,8 +143,7 @@ class LayerInfo:
         return f"SyncBatchNorm layer {name} (num_features={self.num_features}{call})"
 
 
-@dataclass(frozen=True)
-class TrainOptions:
+class TrainOptions(NamedTuple):
     """Everything about one synchronized training call that is not a tensor.
 
     Attributes:
@@ -171,7 +167,7 @@ class TrainOptions:
             participants=self.reducer.participants,
             fingerprint=self.layer.fingerprint,
             check_fingerprint=self.layer.check_layer_order,
-            layer=self.layer.describe(),
+            layer=self.layer,
             phase=phase,
             same_calls_rule=_SAME_CALLS_RULE,
             input_size=input_size,

@@ -38,8 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import zlib
-from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -224,16 +223,23 @@ def device_ok(buffer: torch.Tensor, world_size: int, own_fingerprint: int) -> to
     return torch.eq(values[:4], expected).all() & values[4].ne(1.0)
 
 
-@dataclass(frozen=True)
-class HeaderCheck:
+class LayerCall(Protocol):
+    """The layer call a check belongs to, described only when a check fails."""
+
+    def describe(self) -> str: ...
+
+
+class HeaderCheck(NamedTuple):
     """What to compare an all-reduced header with, and how to describe the call in errors.
+
+    A named tuple: one is built per synchronized call, on the hot path.
 
     Attributes:
         world_size: number of participants in the collective.
         participants: what they are called (``"ranks"``, ``"replicas"``).
         fingerprint: this rank's fingerprint of the layer (0 when the order check is off).
         check_fingerprint: compare the fingerprints (the layer-order check).
-        layer: a description of the layer call, e.g. ``SyncBatchNorm layer 'bn1' (...)``.
+        layer: the layer call, e.g. described ``SyncBatchNorm layer 'bn1' (...)``.
         phase: ``"forward"`` or ``"backward"``.
         same_calls_rule: the rule a mismatch breaks, quoted in its error.
         input_size: the local input's size, for the "more than 1 value" error.
@@ -243,19 +249,19 @@ class HeaderCheck:
     participants: str
     fingerprint: int
     check_fingerprint: bool
-    layer: str
+    layer: LayerCall
     phase: str
     same_calls_rule: str
     input_size: tuple[int, ...] | None = None
 
     def problem(self, header: Header) -> Exception | None:
         """The error this header shows, or ``None``."""
+        one = self.participants[:-1]  # "rank", "replica"
         if header.errors:
             return RuntimeError(
-                f"{header.errors} other {self.participants[:-1]}(s) failed in their "
-                f"SyncBatchNorm call in {self.phase} (invalid input or an error in the local "
-                f"computation) while this {self.participants[:-1]} was at {self.layer}; see the "
-                f"error raised on that {self.participants[:-1]}"
+                f"{header.errors} other {one}(s) failed in their SyncBatchNorm call in "
+                f"{self.phase} (invalid input or an error in the local computation) while this "
+                f"{one} was at {self.layer.describe()}; see the error raised on that {one}"
             )
         own = self.fingerprint
         if self.check_fingerprint and (
@@ -265,7 +271,8 @@ class HeaderCheck:
         ):
             others = _others_layer(header, self.world_size, own)
             return RuntimeError(
-                f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at {self.layer}, "
+                f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at "
+                f"{self.layer.describe()}, "
                 f"but other ranks of the process group are at {others} in the same "
                 f"collective; {self.same_calls_rule}. To disable this check set "
                 "`check_layer_order = False` on the layers (or pass check_layer_order=False to "
