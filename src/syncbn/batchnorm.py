@@ -81,8 +81,21 @@ class SyncBatchNorm(_BatchNorm):
     Attributes:
         layer_name: the layer's module path, used in error messages and in the
             layer-order check; set by :func:`syncbn.convert_sync_batchnorm`.
+        layer_identity: ``layer_name``, or for a layer built directly ``"#k"``, its
+            construction order in the process (read-only).
         check_layer_order: verify after each collective that all ranks reached
             the same layer. Default: ``True``
+        check_mode: when the checks carried by each collective (error flag, layer
+            order, a global count of 1) run: ``"immediate"``, ``"deferred"`` (at a later
+            call, without waiting for the device) or ``"auto"`` (immediate on CPU,
+            deferred elsewhere). Default: ``"auto"``
+
+    .. note::
+        A training step reads nothing back from an accelerator (the global count and the
+        running-statistics update stay on the device), so it can be captured in a CUDA
+        graph, and ``torch.compile(model, fullgraph=True)`` traces the layer without a
+        graph break. When every rank's batch is empty the output is empty, as in torch.
+        (CUDA: designed and tested for this, but the tests have not yet run on a GPU.)
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.

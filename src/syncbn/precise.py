@@ -88,7 +88,14 @@ def recompute_statistics(
     must call this function, since it ends with one collective. Pass the bare model,
     not a DistributedDataParallel wrapper (whose forward broadcasts buffers, a
     collective per batch). A layer that saw
-    fewer than 2 values per channel in total keeps its statistics, with a warning.
+    fewer than 2 values per channel in total keeps its statistics, with a warning. A
+    batch of one sample (or none) is valid on any rank.
+
+    An exception on one rank while it runs its batches joins the final collective with
+    an error flag and is re-raised; the other ranks then raise a ``RuntimeError`` once
+    they finish their own batches, instead of waiting for the process group's timeout.
+    Non-finite inputs raise a ``ValueError`` on every rank. In both cases no running
+    statistics change.
 
     Args:
         model: the model whose BatchNorm layers to update.
