@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from syncbn._cli.launch import init_rank, launch
 
-__all__ = ["ScenarioError", "WorkerPool", "run_isolated"]
+__all__ = ["ScenarioError", "WorkerPool", "outcome", "run_isolated"]
 
 #: Process-group timeout of the pool's ranks in seconds: a collective that waits longer fails.
 PROCESS_GROUP_TIMEOUT = 30.0
@@ -184,3 +184,15 @@ def run_isolated(
         teardown=False,
     )
     return [(outcome.status, outcome.value) for outcome in outcomes]
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, str]:
+    """``("ok", "")`` if ``fn(*args)`` returns, else the exception's type name and message.
+
+    Scenarios return this instead of raising, so that a test can check what every rank saw.
+    """
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
+        return type(error).__name__, str(error)
+    return "ok", ""

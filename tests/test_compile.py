@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint
-from _harness import WorkerPool
+from _harness import WorkerPool, outcome
 from torch import nn
 
 import syncbn
@@ -22,14 +22,6 @@ import syncbn
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.library, "custom_op"), reason="fullgraph compile needs torch >= 2.4"
 )
-
-
-def _outcome(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
-        return type(error).__name__, str(error)
-    return "ok", ""
 
 
 def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -160,16 +152,16 @@ def _errors_under_compile(rank: int, world_size: int) -> dict[str, tuple[str, st
     bad = torch.randn(4, 3, 5, dtype=torch.float64) if rank else torch.randn(1, 3, 0).double()
     compiled(good)  # compiled once, together
     # rank 0's local batch holds no value: with the other ranks' it is still fine...
-    outcomes["uneven"] = _outcome(lambda: compiled(bad))
+    outcomes["uneven"] = outcome(lambda: compiled(bad))
     # ...and one rank's invalid input (wrong channel count) raises on every rank
     wrong = torch.randn(4, 2 if rank == 0 else 3, 5, dtype=torch.float64)
-    outcomes["invalid"] = _outcome(lambda: compiled(wrong))
+    outcomes["invalid"] = outcome(lambda: compiled(wrong))
     # two compiled layers called in different orders
     first, second = syncbn.SyncBatchNorm(3).double(), syncbn.SyncBatchNorm(3).double()
     layers = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in (first, second)]
     if rank == 1:
         layers.reverse()
-    outcomes["order"] = _outcome(lambda: layers[0](good))
+    outcomes["order"] = outcome(lambda: layers[0](good))
     return outcomes
 
 

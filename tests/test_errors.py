@@ -5,19 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import WorkerPool
+from _harness import WorkerPool, outcome
 
 import syncbn
 from syncbn import distributed
 from syncbn._autograd import LayerInfo, ProcessGroupReducer, TrainOptions, sync_batch_norm_train
-
-
-def _outcome(fn, *args) -> tuple[str, str]:  # type: ignore[no-untyped-def]
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
-        return type(error).__name__, str(error)
-    return "ok", ""
 
 
 def test_local_errors_are_worded_like_torch() -> None:
@@ -37,7 +29,7 @@ def test_local_errors_are_worded_like_torch() -> None:
 def _global_count_too_small(rank: int, world_size: int, shape: tuple[int, ...]) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3)
     local = shape if rank == 0 else (0, *shape[1:])
-    return _outcome(bn, torch.randn(local))
+    return outcome(bn, torch.randn(local))
 
 
 @pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1)])
@@ -50,7 +42,7 @@ def test_global_count_of_one_raises_on_every_rank(pool: WorkerPool, shape) -> No
 
 def _global_count_two_is_fine(rank: int, world_size: int) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3)
-    return _outcome(bn, torch.randn(1 if rank < 2 else 0, 3))
+    return outcome(bn, torch.randn(1 if rank < 2 else 0, 3))
 
 
 def test_one_value_per_rank_is_enough_when_the_global_count_is_larger(pool: WorkerPool) -> None:
@@ -62,10 +54,10 @@ def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]
     x = torch.randn(4, 3, 2)
     if rank == world_size - 1:
         x = {"dims": torch.randn(3), "channels": torch.randn(4, 5, 2), "dtype": x.long()}[bad]
-    outcome = _outcome(bn, x)
+    result = outcome(bn, x)
     # the group is still usable afterwards: a correct call on every rank works
-    assert _outcome(bn, torch.randn(2, 3, 2)) == ("ok", "")
-    return outcome
+    assert outcome(bn, torch.randn(2, 3, 2)) == ("ok", "")
+    return result
 
 
 @pytest.mark.parametrize("bad", ["dims", "channels", "dtype"])
@@ -100,7 +92,7 @@ def test_gradcheck_at_world_size_one(pool2: WorkerPool) -> None:
 def _outside_group(rank: int, world_size: int) -> tuple[str, str]:
     group = dist.new_group([0])
     bn = syncbn.SyncBatchNorm(3, process_group=group)
-    return _outcome(bn, torch.randn(4, 3))
+    return outcome(bn, torch.randn(4, 3))
 
 
 def test_process_group_without_this_rank(pool2: WorkerPool) -> None:
@@ -110,7 +102,7 @@ def test_process_group_without_this_rank(pool2: WorkerPool) -> None:
 
 
 def _device_not_supported(rank: int, world_size: int) -> tuple[str, str]:
-    return _outcome(distributed.check_device_backend, torch.device("meta"), None)
+    return outcome(distributed.check_device_backend, torch.device("meta"), None)
 
 
 def test_device_unsupported_by_backend_names_both(pool2: WorkerPool) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import PROCESS_GROUP_TIMEOUT, WorkerPool
+from _harness import PROCESS_GROUP_TIMEOUT, WorkerPool, outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,17 +23,9 @@ from syncbn._kernels import generic
 PG_TIMEOUT = PROCESS_GROUP_TIMEOUT
 
 
-def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
-        return type(error).__name__, str(error)
-    return "ok", ""
-
-
 def _timed(fn: Any) -> dict[str, Any]:
     start = time.monotonic()
-    kind, message = _outcome(fn)
+    kind, message = outcome(fn)
     return {"kind": kind, "message": message, "seconds": time.monotonic() - start}
 
 
@@ -62,7 +54,7 @@ def _local_exception(rank: int, world_size: int, phase: str) -> dict[str, Any]:
     finally:
         setattr(generic, kernel, original)
     # the group still works afterwards
-    result["after"] = _outcome(lambda: bn(torch.randn(2, 3, 4, 4)).sum().backward())
+    result["after"] = outcome(lambda: bn(torch.randn(2, 3, 4, 4)).sum().backward())
     return result
 
 
@@ -176,7 +168,7 @@ def test_c10d_empty_input_ports(pool2: WorkerPool, wrap_first: bool) -> None:
 
 def _count_one(rank: int, world_size: int) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3)
-    return _outcome(bn, torch.randn(1 if rank == 0 else 0, 3))
+    return outcome(bn, torch.randn(1 if rank == 0 else 0, 3))
 
 
 def test_global_count_of_exactly_one_still_raises_on_every_rank(pool: WorkerPool) -> None:
@@ -287,13 +279,13 @@ def _deferred_problems(rank: int, world_size: int, problem: str) -> dict[str, An
     first(x), second(x)  # a good step
     before = {k: v.clone() for k, v in first.state_dict().items()}
     if problem == "order":
-        bad = _outcome(lambda: (second if rank % 2 else first)(x))
+        bad = outcome(lambda: (second if rank % 2 else first)(x))
     else:  # a global count of one
-        bad = _outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
+        bad = outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
     moved = {
         k: not torch.equal(v, before[k]) for k, v in first.state_dict().items() if "running" in k
     }
-    later = _outcome(lambda: first(x))  # the next call surfaces it, on every rank
+    later = outcome(lambda: first(x))  # the next call surfaces it, on every rank
     return {"bad": bad, "moved": moved, "later": later}
 
 

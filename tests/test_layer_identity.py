@@ -14,19 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint
-from _harness import WorkerPool
+from _harness import WorkerPool, outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
-
-
-def _outcome(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
-        return type(error).__name__, str(error)
-    return "ok", ""
 
 
 class _TwoDirectLayers(nn.Module):
@@ -47,15 +39,15 @@ def _out_of_order(rank: int, world_size: int, phase: str) -> dict[str, Any]:
     model = _TwoDirectLayers()
     identities = [model.first.layer_identity, model.second.layer_identity]
     x = torch.randn(4, 3, requires_grad=True)
-    assert _outcome(lambda: model(x).sum().backward()) == ("ok", "")  # in order: fine
+    assert outcome(lambda: model(x).sum().backward()) == ("ok", "")  # in order: fine
     if phase == "forward":
-        return {"outcome": _outcome(lambda: model(x, swap=rank % 2 == 1)), "ids": identities}
+        return {"outcome": outcome(lambda: model(x, swap=rank % 2 == 1)), "ids": identities}
     # forward in order, but backward reaches the layers in a different order per rank
     first, second = model.first(x), model.second(x)
     if rank % 2:
         first, second = second, first
     loss = first.sum() * 1e-3 + second.sum().detach()
-    return {"outcome": _outcome(lambda: loss.backward()), "ids": identities}
+    return {"outcome": outcome(lambda: loss.backward()), "ids": identities}
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
@@ -109,27 +101,27 @@ class _UnusedBranch(_TwoDirectLayers):
 def _usual_workflows(rank: int, world_size: int, workflow: str) -> tuple[str, str]:
     if workflow == "same-model":
         model: nn.Module = _TwoDirectLayers()
-        return _outcome(lambda: _train(model))
+        return outcome(lambda: _train(model))
     if workflow == "ddp-find-unused":
         ddp = DistributedDataParallel(_UnusedBranch(), find_unused_parameters=True)
-        return _outcome(lambda: _train(ddp))
+        return outcome(lambda: _train(ddp))
     if workflow == "checkpointing":
-        return _outcome(lambda: _train(_Checkpointed()))
+        return outcome(lambda: _train(_Checkpointed()))
     if workflow == "after-deleting-layers":
         old = _TwoDirectLayers()
         _train(old)
         del old
-        return _outcome(lambda: _train(_TwoDirectLayers()))
+        return outcome(lambda: _train(_TwoDirectLayers()))
     if workflow == "deepcopy":
         original = _TwoDirectLayers()
         copied = copy.deepcopy(original)
-        return _outcome(lambda: _train_each(copied, original))
+        return outcome(lambda: _train_each(copied, original))
     if workflow == "load-state-dict":
         trained = _TwoDirectLayers()
         _train(trained)
         restored = _TwoDirectLayers()
         restored.load_state_dict(trained.state_dict())
-        return _outcome(lambda: _train(restored))
+        return outcome(lambda: _train(restored))
     raise ValueError(workflow)
 
 

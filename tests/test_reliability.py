@@ -11,19 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import WorkerPool, run_isolated
+from _harness import WorkerPool, outcome, run_isolated
 from torch import nn
 
 import syncbn
-
-
-def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
-        return type(error).__name__, str(error)
-    return "ok", ""
-
 
 # --- layer-order check -------------------------------------------------------------------------
 
@@ -31,13 +22,13 @@ def _outcome(fn: Any, *args: Any) -> tuple[str, str]:
 def _different_layers(rank: int, world_size: int, phase: str) -> tuple[str, str]:
     model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)))
     x = torch.randn(4, 3, requires_grad=True)
-    assert _outcome(model, x) == ("ok", "")  # both layers, in order, on every rank
+    assert outcome(model, x) == ("ok", "")  # both layers, in order, on every rank
     if phase == "forward":
-        return _outcome(model[rank % 2], x)  # rank 0 calls layer '0', rank 1 layer '1'
+        return outcome(model[rank % 2], x)  # rank 0 calls layer '0', rank 1 layer '1'
     out0, out1 = model[0](x), model[1](x)
     # backward reaches the layers in a different order on different ranks
     first, second = (out0, out1) if rank % 2 == 0 else (out1, out0)
-    return _outcome(lambda: (first.sum() * 1e-3 + second.sum().detach()).backward())
+    return outcome(lambda: (first.sum() * 1e-3 + second.sum().detach()).backward())
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
@@ -55,7 +46,7 @@ def _check_disabled(rank: int, world_size: int) -> tuple[str, str]:
     model = syncbn.convert_sync_batchnorm(
         nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)), check_layer_order=False
     )
-    return _outcome(model[rank % 2], torch.randn(4, 3))
+    return outcome(model[rank % 2], torch.randn(4, 3))
 
 
 def test_layer_order_check_can_be_turned_off(pool2: WorkerPool) -> None:
@@ -65,7 +56,7 @@ def test_layer_order_check_can_be_turned_off(pool2: WorkerPool) -> None:
 
 def _different_channel_counts(rank: int, world_size: int) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3 if rank == 0 else 5)
-    return _outcome(bn, torch.randn(4, bn.num_features))
+    return outcome(bn, torch.randn(4, bn.num_features))
 
 
 def test_different_channel_counts_never_pass_silently() -> None:
@@ -91,8 +82,8 @@ def _one_rank_skips(rank: int, world_size: int, timeout_s: float) -> dict[str, A
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     bn = syncbn.SyncBatchNorm(3, process_group=group)
     start = time.monotonic()
-    outcome = ("skipped", "") if rank == world_size - 1 else _outcome(bn, torch.randn(4, 3))
-    return {"outcome": outcome, "seconds": time.monotonic() - start}
+    result = ("skipped", "") if rank == world_size - 1 else outcome(bn, torch.randn(4, 3))
+    return {"outcome": result, "seconds": time.monotonic() - start}
 
 
 def test_rank_that_skips_a_layer_makes_the_others_fail_within_the_timeout(
@@ -113,7 +104,7 @@ def _killed_mid_step(rank: int, world_size: int) -> tuple[str, str, float]:
     if rank == 1:
         os._exit(3)  # the process dies mid-step, before the next collective
     start = time.monotonic()
-    kind, message = _outcome(lambda: model(torch.randn(4, 3)).sum().backward())
+    kind, message = outcome(lambda: model(torch.randn(4, 3)).sum().backward())
     return kind, message, time.monotonic() - start
 
 
@@ -210,7 +201,7 @@ def test_complex_input_is_refused() -> None:
 def _device_mismatch(rank: int, world_size: int) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3)
     x = torch.randn(4, 3, device="meta" if rank == 0 else "cpu")
-    return _outcome(bn, x)
+    return outcome(bn, x)
 
 
 def test_input_on_another_device_than_the_parameters(pool2: WorkerPool) -> None:
