@@ -20,6 +20,7 @@ identity, call count and settings, so that changing them needs no recompilation.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -213,11 +214,26 @@ def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _layout_tags() -> dict[str, Any]:
+    """Ask inductor to pass the ops inputs with the strides they were traced with.
+
+    Otherwise inductor may pick another layout for a convolution's output (channels_last on
+    CPU), and the ops' outputs, which follow their input's layout, no longer have the
+    strides the fake ops promised.
+    """
+    tag = getattr(torch.Tag, "needs_exact_strides", None) or getattr(
+        torch.Tag, "needs_fixed_stride_order", None
+    )
+    accepts_tags = "tags" in inspect.signature(torch.library.custom_op).parameters
+    return {"tags": (tag,)} if tag is not None and accepts_tags else {}
+
+
 @functools.cache
 def _define_ops() -> None:
     """Register the two custom ops (once; torch < 2.4 has no custom ops and no fullgraph)."""
     if not hasattr(torch.library, "custom_op"):
         return
+    tags = _layout_tags()
     forward_op = torch.library.custom_op(
         "syncbn::batch_norm_train",
         _forward,
@@ -225,6 +241,7 @@ def _define_ops() -> None:
         schema="(Tensor input, Tensor? weight, Tensor? bias, Tensor? running_mean, "
         "Tensor? running_var, Tensor? num_batches_tracked, int site_key) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        **tags,
     )
     forward_op.register_fake(_forward_fake)
     backward_op = torch.library.custom_op(
@@ -233,6 +250,7 @@ def _define_ops() -> None:
         mutates_args=(),
         schema="(Tensor grad_output, Tensor input, Tensor saved, Tensor count, int site_key, "
         "bool[] needs_grad) -> (Tensor, Tensor, Tensor)",
+        **tags,
     )
     backward_op.register_fake(_backward_fake)
     forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
