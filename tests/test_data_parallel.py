@@ -360,6 +360,16 @@ class Mixed(nn.Module):
         ).view(features.shape)
 
 
+@pytest.fixture
+def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hide any GPU: these tests check conversion and callbacks with DataParallel on CPU, where
+    it calls the module itself (with a GPU visible it would want the module on cuda:0, and
+    ``device_ids=[0, 1]`` would name a missing device on a 1-GPU machine)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.usefixtures("without_cuda")
 def test_convert_model_shares_state_and_keeps_behaviour() -> None:
     torch.manual_seed(0)
     model = Mixed()
@@ -391,6 +401,7 @@ def test_convert_model_shares_state_and_keeps_behaviour() -> None:
     assert type(single) is SynchronizedBatchNorm3d
 
 
+@pytest.mark.usefixtures("without_cuda")
 def test_convert_model_keeps_data_parallel_settings() -> None:
     wrapped = nn.DataParallel(nn.Sequential(nn.BatchNorm1d(3)), device_ids=[0, 1], dim=0)
     converted = convert_model(wrapped)
@@ -407,6 +418,7 @@ def _synced_copies(replicas: Sequence[nn.Module]) -> list[int]:
     return [m._replica_sync.num_copies for r in replicas for m in r.modules() if m._replica_sync]  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("without_cuda")
 def test_patch_replication_callback_runs_the_callbacks_after_replicate() -> None:
     data_parallel = nn.DataParallel(SynchronizedBatchNorm1d(3), device_ids=[0, 1])
     data_parallel.replicate = _replicas_without_callbacks  # type: ignore[method-assign]
