@@ -1,0 +1,300 @@
+"""GPU benchmarks: syncbn against cuDNN BatchNorm and torch.nn.SyncBatchNorm, eager and graphed.
+
+Needs a CUDA GPU (and torchvision for the resnet50 step). Writes ``gpu.md`` and ``gpu.json``
+beside this file. Three parts, each in its own processes:
+
+- ``layers``: forward+backward of one layer at the BatchNorm shapes of ResNet-50 at batch
+  32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
+  time per call (CUDA events, median), host time per call (the launch, without waiting),
+  and host synchronizations per call (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
+- ``step``: a torchvision resnet50 training step (batch 32, bfloat16 autocast,
+  channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step.
+- ``ranks``: the per-layer comparison with 2 ranks sharing the GPU through gloo (CUDA
+  tensors; nccl refuses two ranks on one GPU).
+
+The single-process parts use an nccl group of one rank, where both synchronized layers
+would fall back to BatchNorm; their sync paths are forced (``SyncBatchNorm._sync_alone`` for
+syncbn; torch's ``SyncBatchNorm`` autograd function called with ``world_size=1``), so that
+what is timed is the synchronized code without the transport.
+
+Usage::
+
+    python benchmarks/gpu.py                     # all parts, ~5 min on an H100
+    python benchmarks/gpu.py --parts layers step --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import syncbn
+from syncbn._cli.launch import run_on_ranks
+from syncbn._cli.measure import machine_info
+
+__all__ = ["main"]
+
+HERE = Path(__file__).parent
+# (channels, spatial size) of ResNet-50's BatchNorm layers at 224x224
+RESNET50_SHAPES = [(64, 112), (64, 56), (256, 56), (128, 28), (512, 28), (256, 14), (1024, 14)]
+RESNET50_SHAPES += [(512, 7), (2048, 7)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _TorchSyncPath(nn.SyncBatchNorm):
+    """torch.nn.SyncBatchNorm with its synchronized path forced, whatever the world size."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFunction
+
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        factor = 0.0 if self.momentum is None else self.momentum
+        group = self.process_group or dist.group.WORLD
+        return TorchSyncFunction.apply(  # type: ignore[no-any-return]
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.eps,
+            factor,
+            group,
+            dist.get_world_size(group),
+        )
+
+
+def _layer(kind: str, channels: int, group: Any) -> nn.Module:
+    if kind == "cudnn":
+        return nn.BatchNorm2d(channels)
+    if kind == "torch-sync":
+        return _TorchSyncPath(channels, process_group=group)
+    layer = syncbn.SyncBatchNorm(channels, process_group=group)
+    layer._sync_alone = True
+    return layer
+
+
+def _convert(model: nn.Module, kind: str, group: Any) -> nn.Module:
+    if kind == "cudnn":
+        return model
+    if kind == "torch-sync":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
+        for module in model.modules():
+            if type(module) is nn.SyncBatchNorm:
+                module.__class__ = _TorchSyncPath
+        return model
+    model = syncbn.convert_sync_batchnorm(model, group)
+    for module in model.modules():
+        if isinstance(module, syncbn.SyncBatchNorm):
+            module._sync_alone = True
+    return model
+
+
+def _count_syncs(fn: Callable[[], object]) -> int:
+    """Host synchronizations during ``fn()``, as torch's sync debug mode reports them."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
+    """Median device time (CUDA events) and host time per call of ``fn``."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    device_ms, host_ms = [], []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        host_start = time.perf_counter()
+        fn()
+        host_ms.append((time.perf_counter() - host_start) * 1e3)
+        end.record()
+        end.synchronize()
+        device_ms.append(start.elapsed_time(end))
+    return {"device_ms": statistics.median(device_ms), "host_ms": statistics.median(host_ms)}
+
+
+def _layer_cases(quick: bool) -> list[tuple[int, int, str, bool]]:
+    shapes = RESNET50_SHAPES[::3] if quick else RESNET50_SHAPES
+    return [
+        (channels, size, dtype, channels_last)
+        for channels, size in shapes
+        for dtype in DTYPES
+        for channels_last in (False, True)
+    ]
+
+
+def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[dict[str, Any]]:
+    torch.cuda.set_device(0)
+    group = dist.new_group([rank], backend="nccl") if alone else None
+    if alone and world_size > 1:
+        raise ValueError("the single-process part runs on one rank")
+    rows = []
+    for channels, size, dtype, channels_last in _layer_cases(quick):
+        x = torch.randn(32, channels, size, size, device="cuda", dtype=DTYPES[dtype])
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        dy = torch.randn_like(x)
+        row: dict[str, Any] = {
+            "shape": f"32x{channels}x{size}x{size}",
+            "dtype": dtype,
+            "channels_last": channels_last,
+        }
+        for kind in ("cudnn", "torch-sync", "syncbn"):
+            if kind == "cudnn" and not alone:
+                continue  # the 2-rank part compares the synchronized layers
+            layer = _layer(kind, channels, group).cuda()
+
+            def call(layer: nn.Module = layer, x: torch.Tensor = x, dy: torch.Tensor = dy) -> None:
+                torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
+
+            row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+        rows.append(row)
+    return rows
+
+
+def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+    import torchvision
+
+    torch.cuda.set_device(0)
+    group = dist.new_group([rank], backend="nccl")
+    x = torch.randn(32, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    target = torch.randint(1000, (32,), device="cuda")
+    results: dict[str, Any] = {}
+    torch.manual_seed(0)
+    base = torchvision.models.resnet50()
+    for kind in ("cudnn", "torch-sync", "syncbn"):
+        model = _convert(copy.deepcopy(base), kind, group).cuda()
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(model: nn.Module = model, optimizer: Any = optimizer) -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
+        graphed: dict[str, Any]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graphed = _time(graph.replay, 10 if quick else 30)
+        except Exception as error:  # noqa: BLE001 - recorded: torch's SyncBatchNorm cannot be captured
+            graphed = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+        results[kind] = {"eager": eager, "graph": graphed}
+    return results
+
+
+def _render(results: dict[str, Any]) -> str:
+    info = results["machine"]
+    lines = [
+        "# GPU: syncbn against cuDNN BatchNorm and torch.nn.SyncBatchNorm",
+        "",
+        f"Generated by `python benchmarks/gpu.py` on {info['date']}; {info['cuda']}; torch "
+        f"{info['torch']}. Sync paths forced at nccl world size 1 (see the script).",
+        "",
+    ]
+    if "layers" in results:
+        lines += [
+            "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
+            "",
+            "| shape | dtype | layout | cuDNN BN | torch SyncBN | syncbn | syncbn / BN | "
+            "syncbn / torch |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in results["layers"]:
+            cells = [
+                f"{row[k]['device_ms']:.3f} / {row[k]['host_ms']:.3f} / {row[k]['syncs']}"
+                for k in ("cudnn", "torch-sync", "syncbn")
+            ]
+            ours = row["syncbn"]["device_ms"]
+            lines.append(
+                f"| {row['shape']} | {row['dtype']} | "
+                f"{'channels_last' if row['channels_last'] else 'NCHW'} | {' | '.join(cells)} | "
+                f"{ours / row['cudnn']['device_ms']:.2f}x | "
+                f"{ours / row['torch-sync']['device_ms']:.2f}x |"
+            )
+        lines.append("")
+    if "step" in results:
+        lines += [
+            "## resnet50 training step (batch 32, bf16 autocast, channels_last, SGD)",
+            "",
+            "| layers | eager ms (device) | host syncs per step | CUDA graph ms |",
+            "|---|---|---|---|",
+        ]
+        for kind, entry in results["step"].items():
+            graph = entry["graph"]
+            graph_text = graph["error"] if "error" in graph else f"{graph['device_ms']:.2f}"
+            lines.append(
+                f"| {kind} | {entry['eager']['device_ms']:.2f} | {entry['eager']['syncs']} | "
+                f"{graph_text} |"
+            )
+        lines.append("")
+    if "ranks" in results:
+        lines += [
+            "## 2 ranks on one GPU through gloo (device ms per call, worst rank)",
+            "",
+            "| shape | dtype | layout | torch SyncBN | syncbn |",
+            "|---|---|---|---|---|",
+        ]
+        for row0, row1 in zip(*results["ranks"]):
+            cells = [
+                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}"
+                for k in ("torch-sync", "syncbn")
+            ]
+            layout = "channels_last" if row0["channels_last"] else "NCHW"
+            lines.append(f"| {row0['shape']} | {row0['dtype']} | {layout} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["layers", "step", "ranks"])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    results: dict[str, Any] = {"machine": machine_info()}
+    if "layers" in args.parts:
+        results["layers"] = run_on_ranks(_layers_rank, 1, args.quick, True, timeout=1200)[0]
+    if "step" in args.parts:
+        results["step"] = run_on_ranks(_step_rank, 1, args.quick, timeout=1200)[0]
+    if "ranks" in args.parts:
+        results["ranks"] = run_on_ranks(_layers_rank, 2, True, False, timeout=1200)
+    (HERE / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    (HERE / "gpu.md").write_text(_render(results))
+    print(_render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
