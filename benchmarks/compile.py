@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,11 @@ def _step_fn(model: nn.Module, run: Any, device: torch.device) -> Any:
     return step
 
 
-def _rank(rank: int, world_size: int, steps: int, device_type: str) -> dict[str, Any]:
+def _rank(
+    rank: int, world_size: int, steps: int, device_type: str, cache_dir: str
+) -> dict[str, Any]:
+    # a fresh cache: no compiled code and no remembered dynamic dimensions from earlier runs
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
@@ -146,7 +152,8 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
         f" on {info['date']}; torch {info['torch']}; {info['cuda'] or info['cpu']}; "
         f"{args.world_size} ranks ({'nccl' if args.device == 'cuda' else 'gloo'}), one thread "
         f"each; SmallResNet (15 BatchNorm2d), batch {BATCH} per rank, 32x32, float32, SGD; "
-        f"no DDP. Median (p10) over {args.steps} steps after 3 warm-up steps, worst rank.",
+        f"no DDP. Median (p10) over {args.steps} steps after 3 warm-up steps, worst rank. "
+        "Each rank compiles into an empty inductor cache.",
         "",
         "| variant | step ms, median (p10) | vs batchnorm of the same mode | compile s | "
         "graphs: first shape / after 5 more batch sizes |",
@@ -176,9 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "compile.md")
     args = parser.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_on_ranks(
-        _rank, args.world_size, args.steps, args.device, backend=backend, timeout=1200
-    )
+    with tempfile.TemporaryDirectory(prefix="syncbn-compile-cache-") as cache_dir:
+        results = run_on_ranks(
+            _rank,
+            args.world_size,
+            args.steps,
+            args.device,
+            cache_dir,
+            backend=backend,
+            timeout=1200,
+        )
     info = machine_info()
     text = _render(results, info, args)
     args.out.write_text(text)
