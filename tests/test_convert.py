@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
+from collections.abc import Iterator
+from importlib import metadata
 
 import pytest
 import torch
 from torch import nn
 
 import syncbn
+from syncbn import _conversion
 
 
 class BatchNormAct2d(nn.BatchNorm2d):
@@ -48,7 +53,9 @@ def test_convert_replaces_every_plain_batchnorm_and_shares_state() -> None:
     before = dict(model.named_modules())
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    with pytest.warns(UserWarning, match=r"'7' \(BatchNormAct2d\) unconverted"):
+    with pytest.warns(
+        UserWarning, match=r"1 BatchNorm layer\(s\) unconverted: '7' \(BatchNormAct2d\)"
+    ):
         converted = syncbn.convert_sync_batchnorm(model)
     assert converted is model
     after = dict(converted.named_modules())
@@ -87,7 +94,7 @@ def test_convert_a_root_batchnorm_returns_the_new_layer() -> None:
 
 def test_unmaterialised_lazy_batchnorm_is_left_with_a_warning() -> None:
     model = nn.Sequential(nn.LazyBatchNorm2d())
-    with pytest.warns(UserWarning, match="lazy layer '0'"):
+    with pytest.warns(UserWarning, match=r"lazy layer\(s\) '0' \(LazyBatchNorm2d\)"):
         syncbn.convert_sync_batchnorm(model)
     assert isinstance(model[0], nn.LazyBatchNorm2d)
 
@@ -159,3 +166,183 @@ def test_batchnorm_nd_accepts_any_rank() -> None:
         assert bn(torch.randn(shape)).shape == shape
     with pytest.raises(ValueError, match=r"expected at least 2D input \(got 1D input\)"):
         bn(torch.randn(3))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry() -> Iterator[None]:
+    """Each test starts and ends with the registry it found."""
+    converters = dict(_conversion._CONVERTERS)
+    loaded = set(_conversion._LOADED_ENTRY_POINTS)
+    yield
+    _conversion._CONVERTERS.clear()
+    _conversion._CONVERTERS.update(converters)
+    _conversion._LOADED_ENTRY_POINTS.clear()
+    _conversion._LOADED_ENTRY_POINTS.update(loaded)
+
+
+def test_revert_restores_the_class_each_layer_replaced() -> None:
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # '7' stays unconverted
+        syncbn.convert_sync_batchnorm(model)
+    model[5](torch.randn(2, 4, 3))  # a BatchNorm2d that saw a 3-D input stays a BatchNorm2d
+    reverted = syncbn.revert_sync_batchnorm(copy.deepcopy(model))
+    expected = [
+        nn.Conv2d,
+        nn.BatchNorm2d,  # never saw an input
+        nn.Sequential,
+        nn.SyncBatchNorm,
+        nn.BatchNorm2d,  # LazyBatchNorm2d becomes BatchNorm2d when it materialises
+        nn.BatchNorm2d,
+        nn.BatchNorm2d,
+        BatchNormAct2d,
+        RenamedBatchNorm2d,
+    ]
+    assert [type(m) for m in list(reverted)[:9]] == expected
+    assert [type(m) for m in reverted[2]] == [nn.BatchNorm1d, nn.BatchNorm3d]
+    assert reverted[3].eps == 1e-3 and reverted[2][0].momentum is None
+    # the class is remembered through pickling too
+    unpickled = pickle.loads(pickle.dumps(model))
+    assert type(syncbn.revert_sync_batchnorm(unpickled)[8]) is RenamedBatchNorm2d
+
+
+class ScaledBatchNorm2d(nn.BatchNorm2d):
+    """A subclass whose constructor does not take BatchNorm's arguments."""
+
+    def __init__(self, channels: int, scale: float) -> None:
+        super().__init__(channels)
+        self.scale = scale
+
+
+def test_revert_names_a_class_it_cannot_rebuild() -> None:
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(ScaledBatchNorm2d(3, 2.0)))
+    with pytest.raises(TypeError, match=r"cannot rebuild '0' as ScaledBatchNorm2d .*register"):
+        syncbn.revert_sync_batchnorm(model)
+    syncbn.register_converter(
+        ScaledBatchNorm2d,
+        to_plain=lambda layer: _conversion.share_state(layer, ScaledBatchNorm2d(3, 2.0)),
+    )
+    assert type(syncbn.revert_sync_batchnorm(model)[0]) is ScaledBatchNorm2d
+
+
+class NaiveSyncBatchNorm(nn.BatchNorm2d):
+    """Like detectron2's: its own forward, which computes what BatchNorm computes."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input)
+
+
+class NaiveSyncBatchNormChild(NaiveSyncBatchNorm):
+    """Inherits the registered class's forward."""
+
+
+class NaiveSyncBatchNormAct(NaiveSyncBatchNorm):
+    """Overrides the registered class's forward."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(input))
+
+
+def test_a_registered_class_converts_and_reverts_with_the_default_twins() -> None:
+    model = nn.Sequential(
+        NaiveSyncBatchNorm(3), NaiveSyncBatchNormChild(3), NaiveSyncBatchNormAct(3)
+    )
+    with pytest.warns(UserWarning, match=r"3 BatchNorm layer\(s\) unconverted: '0' .*'1' .*'2'"):
+        syncbn.convert_sync_batchnorm(copy.deepcopy(model))
+    syncbn.register_converter(NaiveSyncBatchNorm)
+    weight = model[0].weight
+    with pytest.warns(UserWarning, match=r"unconverted: '2' \(NaiveSyncBatchNormAct\)\.") as record:
+        syncbn.convert_sync_batchnorm(model)
+    assert len(record) == 1
+    assert [type(m) for m in model] == [
+        syncbn.SyncBatchNorm,
+        syncbn.SyncBatchNorm,
+        NaiveSyncBatchNormAct,
+    ]
+    assert model[0].weight is weight and model[1].layer_name == "1"
+    syncbn.revert_sync_batchnorm(model)
+    assert [type(m) for m in model] == [
+        NaiveSyncBatchNorm,
+        NaiveSyncBatchNormChild,
+        NaiveSyncBatchNormAct,
+    ]
+    assert model[0].weight is weight
+
+
+class SyncAct(syncbn.SyncBatchNorm):
+    """The synchronized twin of BatchNormAct2d: BatchNorm over the global batch, then ReLU."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(input))
+
+
+def test_a_registered_converter_is_called_both_ways() -> None:
+    calls = []
+
+    def to_sync(module: BatchNormAct2d) -> SyncAct:
+        calls.append("to_sync")
+        return _conversion.batchnorm_twin(module, SyncAct)
+
+    def to_plain(layer: SyncAct) -> BatchNormAct2d:
+        calls.append("to_plain")
+        return _conversion.batchnorm_twin(layer, BatchNormAct2d)
+
+    syncbn.register_converter(BatchNormAct2d, to_sync, to_plain)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, momentum=0.2))
+    x = torch.randn(3, 3, 2, 2)
+    expected = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=None)
+    assert type(model[1]) is SyncAct and model[1].momentum == 0.2 and model[1].layer_name == "1"
+    torch.testing.assert_close(model(x), expected)
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[1]) is BatchNormAct2d and calls == ["to_sync", "to_plain"]
+
+
+def test_register_converter_rejects_what_it_cannot_use() -> None:
+    with pytest.raises(TypeError, match="expected a BatchNorm class"):
+        syncbn.register_converter(nn.GroupNorm)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected to_plain to be callable or None"):
+        syncbn.register_converter(BatchNormAct2d, None, "no")  # type: ignore[arg-type]
+    syncbn.register_converter(BatchNormAct2d, lambda module: nn.Identity())
+    with pytest.raises(
+        TypeError, match="converter registered for BatchNormAct2d returned a Identity"
+    ):
+        syncbn.convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(2)))
+
+
+def _register_act_converter() -> None:
+    _register_act_converter.calls += 1  # type: ignore[attr-defined]
+    syncbn.register_converter(
+        BatchNormAct2d,
+        lambda module: _conversion.batchnorm_twin(module, SyncAct),
+        lambda layer: _conversion.batchnorm_twin(layer, BatchNormAct2d),
+    )
+
+
+def test_entry_points_offer_converters_for_their_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    package = BatchNormAct2d.__module__.partition(".")[0]  # this test module's package
+    offered = [
+        metadata.EntryPoint("other", f"{__name__}:_missing", _conversion.ENTRY_POINT_GROUP),
+        metadata.EntryPoint(
+            package, f"{__name__}:_register_act_converter", _conversion.ENTRY_POINT_GROUP
+        ),
+    ]
+    scans = []
+
+    def entry_points(group: str) -> list[metadata.EntryPoint]:
+        scans.append(group)
+        return offered
+
+    monkeypatch.setattr(_conversion.metadata, "entry_points", entry_points)
+    _register_act_converter.calls = 0  # type: ignore[attr-defined]
+    syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2)))
+    assert scans == []  # plain layers need no converter: nothing is looked up
+    model = nn.Sequential(BatchNormAct2d(2), nn.Sequential(BatchNormAct2d(2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+    assert [type(model[0]), type(model[1][0])] == [SyncAct, SyncAct]
+    assert scans == [_conversion.ENTRY_POINT_GROUP]  # scanned once, loaded once
+    assert _register_act_converter.calls == 1  # type: ignore[attr-defined]

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from syncbn import functional as functional
     from syncbn import precise as precise
     from syncbn.batchnorm import SyncBatchNorm
-    from syncbn.convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
+    from syncbn.convert import (
+        BatchNormNd,
+        convert_sync_batchnorm,
+        register_converter,
+        revert_sync_batchnorm,
+    )
     from syncbn.distributed import create_process_group
     from syncbn.functional import sync_batch_norm
     from syncbn.precise import recompute_statistics
@@ -36,6 +41,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "create_process_group",
     "recompute_statistics",
+    "register_converter",
     "revert_sync_batchnorm",
     "sync_batch_norm",
 ]
@@ -47,6 +53,7 @@ _EXPORTS = {
     "convert_sync_batchnorm": "syncbn.convert",
     "create_process_group": "syncbn.distributed",
     "recompute_statistics": "syncbn.precise",
+    "register_converter": "syncbn.convert",
     "revert_sync_batchnorm": "syncbn.convert",
     "sync_batch_norm": "syncbn.functional",
 }

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _compiled, distributed
+from syncbn import _compiled, _conversion, distributed
 from syncbn._autograd import (
     LayerInfo,
     ProcessGroupReducer,
@@ -131,6 +131,8 @@ class SyncBatchNorm(_BatchNorm):
         self.check_layer_order = True
         self.check_mode = "auto"
         self.last_input_dim: int | None = None
+        # the class this layer replaced in convert_sync_batchnorm (revert gives it back)
+        self._original_class: type[_BatchNorm] | None = None
         self._sync_calls = 0
         # tests and benchmarks only: synchronize through the process group even when it has
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
@@ -146,6 +148,7 @@ class SyncBatchNorm(_BatchNorm):
         state.setdefault("_layer_name", "")
         state.setdefault("check_mode", "auto")
         state.setdefault("_sync_alone", False)
+        state.setdefault("_original_class", None)
         if "_construction_index" not in state:
             state["_construction_index"] = next(_construction_order)
         super().__setstate__(state)
@@ -277,8 +280,7 @@ class SyncBatchNorm(_BatchNorm):
         """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
 
         An alias of :func:`syncbn.convert_sync_batchnorm`, for code written for
-        ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
+        ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Like torch's, it builds
+        :class:`SyncBatchNorm` layers whichever subclass it is called on.
         """
-        from syncbn.convert import convert_sync_batchnorm
-
-        return convert_sync_batchnorm(module, process_group)
+        return _conversion.convert_modules(module, SyncBatchNorm, process_group, True)

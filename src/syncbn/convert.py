@@ -2,37 +2,31 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, TypeVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parameter import is_lazy
 
+from syncbn._conversion import batchnorm_twin, convert_modules, converter_for, register_converter
 from syncbn.batchnorm import SyncBatchNorm
 
 __all__ = [
     "BatchNormNd",
     "batchnorm_twin",
     "convert_sync_batchnorm",
+    "register_converter",
     "revert_sync_batchnorm",
 ]
-
-_BatchNormT = TypeVar("_BatchNormT", bound=_BatchNorm)
-
-# forward implementations that a converted layer reproduces exactly
-_PLAIN_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward)
 
 
 class BatchNormNd(_BatchNorm):
     r"""Plain batch normalization that accepts any :math:`(N, C, *)` input with at least 2 dims.
 
-    :func:`revert_sync_batchnorm` returns this class for a SyncBatchNorm layer that never
-    saw an input, because then the right choice among ``BatchNorm1d``/``2d``/``3d`` is
-    unknown. Its parameters, buffers and ``state_dict`` keys are those of
-    :class:`torch.nn.BatchNorm2d`, and its forward is identical to theirs.
+    :func:`revert_sync_batchnorm` returns this class for a SyncBatchNorm layer built
+    directly (not converted) that never saw an input, because then the right choice
+    among ``BatchNorm1d``/``2d``/``3d`` is unknown. Its parameters, buffers and
+    ``state_dict`` keys are those of :class:`torch.nn.BatchNorm2d`, and its forward is
+    identical to theirs.
 
     Args:
         num_features: number of channels :math:`C`.
@@ -58,78 +52,6 @@ class BatchNormNd(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
-def _share_state(source: nn.Module, target: nn.Module) -> nn.Module:
-    """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode."""
-    for name, param in source.named_parameters(recurse=False):
-        setattr(target, name, param)
-    for name, buffer in source.named_buffers(recurse=False):
-        setattr(target, name, buffer)
-    target.train(source.training)
-    if hasattr(source, "qconfig"):
-        target.qconfig = source.qconfig
-    return target
-
-
-def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) -> _BatchNormT:
-    """A ``cls`` layer with ``source``'s settings that shares its Parameters, buffers and mode.
-
-    Built on the meta device, so nothing is allocated before the state is shared.
-    """
-    twin = cls(
-        source.num_features,
-        source.eps,
-        source.momentum,
-        source.affine,
-        source.track_running_stats,
-        device="meta",
-        **kwargs,
-    )
-    _share_state(source, twin)
-    return twin
-
-
-def _is_plain_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and type(module).forward in _PLAIN_FORWARDS
-
-
-def _convert(
-    module: nn.Module, process_group: dist.ProcessGroup | None, check_layer_order: bool, path: str
-) -> nn.Module:
-    result = module
-    if isinstance(module, SyncBatchNorm):
-        if process_group is not None:
-            module.process_group = process_group
-        module.layer_name = path
-        module.check_layer_order = check_layer_order
-    elif isinstance(module, _BatchNorm) and not _is_plain_batchnorm(module):
-        warnings.warn(
-            f"convert_sync_batchnorm left '{path or type(module).__name__}' "
-            f"({type(module).__qualname__}) unconverted: it subclasses BatchNorm but overrides "
-            "forward(), and converting it would drop that behaviour. It keeps local (per-rank) "
-            "statistics.",
-            stacklevel=3,
-        )
-    elif isinstance(module, _BatchNorm) and any(is_lazy(p) for p in module.parameters()):
-        warnings.warn(
-            f"convert_sync_batchnorm left lazy layer '{path or type(module).__name__}' "
-            "unconverted: run one forward pass first so that its parameters are materialised",
-            stacklevel=3,
-        )
-    elif isinstance(module, _BatchNorm):
-        group = (
-            process_group if process_group is not None else getattr(module, "process_group", None)
-        )
-        result = batchnorm_twin(module, SyncBatchNorm, process_group=group)
-        result.layer_name = path
-        result.check_layer_order = check_layer_order
-    for name, child in module.named_children():
-        result.add_module(
-            name,
-            _convert(child, process_group, check_layer_order, f"{path}.{name}" if path else name),
-        )
-    return result
-
-
 def convert_sync_batchnorm(
     module: nn.Module,
     process_group: dist.ProcessGroup | None = None,
@@ -145,10 +67,14 @@ def convert_sync_batchnorm(
     gets its module path as ``layer_name`` (for error messages and the layer-order
     check). Other norms (InstanceNorm, GroupNorm, LayerNorm) are left alone.
 
-    A BatchNorm subclass that overrides ``forward`` (such as timm's
-    ``BatchNormAct2d``) is left unconverted, with a warning naming it: converting
-    it would silently drop what its ``forward`` adds. Unmaterialised lazy layers are
-    left unconverted with a warning too.
+    A BatchNorm subclass that overrides ``forward`` is converted by the converter
+    registered for it with :func:`register_converter`. syncbn registers timm's
+    ``BatchNormAct2d`` (:class:`syncbn.integrations.timm.SyncBatchNormAct2d`) the first
+    time a model holds one. A subclass with its own ``forward`` and no converter is
+    left unconverted, with one warning naming it: converting it would silently drop
+    what its ``forward`` adds. Unmaterialised lazy layers are left unconverted with a
+    warning too. Each converted layer remembers the class it replaced, for
+    :func:`revert_sync_batchnorm`.
 
     Args:
         module: the model (or a single BatchNorm layer) to convert.
@@ -165,7 +91,7 @@ def convert_sync_batchnorm(
         >>> model = torchvision.models.resnet18()
         >>> model = syncbn.convert_sync_batchnorm(model)
     """
-    return _convert(module, process_group, check_layer_order, "")
+    return convert_modules(module, SyncBatchNorm, process_group, check_layer_order)
 
 
 def _batchnorm_class(input_dim: int | None) -> type[_BatchNorm]:
@@ -178,14 +104,45 @@ def _batchnorm_class(input_dim: int | None) -> type[_BatchNorm]:
     return BatchNormNd
 
 
+def _plain_twin(layer: SyncBatchNorm, path: str) -> nn.Module:
+    """The plain layer that replaces ``layer`` in :func:`revert_sync_batchnorm`."""
+    original: type[_BatchNorm] | None = layer._original_class
+    if original is None:
+        return batchnorm_twin(layer, _batchnorm_class(layer.last_input_dim))
+    converter = converter_for(original)
+    if converter is not None and converter.to_plain is not None:
+        return converter.to_plain(layer)
+    kwargs = (
+        {"process_group": layer.process_group} if issubclass(original, nn.SyncBatchNorm) else {}
+    )
+    try:
+        return batchnorm_twin(layer, original, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"revert_sync_batchnorm cannot rebuild '{path or type(layer).__name__}' as "
+            f"{original.__qualname__} from BatchNorm's arguments ({error}); register a "
+            "converter for the class with syncbn.register_converter(cls, to_sync, to_plain)"
+        ) from error
+
+
+def _revert(module: nn.Module, path: str) -> nn.Module:
+    result = _plain_twin(module, path) if isinstance(module, SyncBatchNorm) else module
+    for name, child in module.named_children():
+        result.add_module(name, _revert(child, f"{path}.{name}" if path else name))
+    return result
+
+
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every :class:`syncbn.SyncBatchNorm` in ``module`` with plain BatchNorm.
 
-    The inverse of :func:`convert_sync_batchnorm`: each layer becomes
-    ``BatchNorm1d``, ``2d`` or ``3d`` according to the rank of the last input it saw
-    (2 or 3 dims, 4, 5), or :class:`BatchNormNd` if it never saw an input. The new
-    layer shares the Parameters and buffers, so ``state_dict`` is identical before
-    and after; training mode and the other settings are kept.
+    The inverse of :func:`convert_sync_batchnorm`: a converted layer becomes the class
+    it replaced (``BatchNorm2d``, a ``torch.nn.SyncBatchNorm``, a registered subclass
+    through its converter's ``to_plain``), whether or not it saw an input since. A
+    SyncBatchNorm built directly becomes ``BatchNorm1d``, ``2d`` or ``3d`` according
+    to the rank of the last input it saw (2 or 3 dims, 4, 5), or :class:`BatchNormNd`
+    if it never saw an input. The new layer shares the Parameters and buffers, so
+    ``state_dict`` is identical before and after; training mode and the other settings
+    are kept.
 
     Args:
         module: the model (or a single SyncBatchNorm layer) to revert.
@@ -194,13 +151,12 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         The reverted module: ``module`` itself, modified in place, unless ``module``
         is itself a SyncBatchNorm, in which case the new BatchNorm is returned.
 
+    Raises:
+        TypeError: a converted layer's original class cannot be built from BatchNorm's
+            arguments and has no registered ``to_plain``.
+
     Examples::
 
         >>> model = syncbn.revert_sync_batchnorm(model)  # e.g. before export
     """
-    result = module
-    if isinstance(module, SyncBatchNorm):
-        result = batchnorm_twin(module, _batchnorm_class(module.last_input_dim))
-    for name, child in module.named_children():
-        result.add_module(name, revert_sync_batchnorm(child))
-    return result
+    return _revert(module, "")

@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
-from syncbn.convert import batchnorm_twin
+from syncbn._conversion import batchnorm_twin
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",

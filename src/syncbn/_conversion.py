@@ -1,0 +1,248 @@
+"""The model walk behind ``convert_sync_batchnorm``, and the registry of BatchNorm converters.
+
+This module imports nothing from syncbn: the synchronized class is passed in, so that both
+:func:`syncbn.convert_sync_batchnorm` and ``SyncBatchNorm.convert_sync_batchnorm`` (in
+:mod:`syncbn.batchnorm`) use one walk without importing each other.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any, NamedTuple, TypeVar
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
+
+__all__ = [
+    "Converter",
+    "ENTRY_POINT_GROUP",
+    "batchnorm_twin",
+    "convert_modules",
+    "converter_for",
+    "register_converter",
+    "share_state",
+]
+
+_BatchNormT = TypeVar("_BatchNormT", bound=_BatchNorm)
+
+#: the entry-point group through which installed packages offer converters: an entry point
+#: named after a top-level package (``timm``) whose object is a function of no arguments that
+#: calls :func:`register_converter`; it is loaded the first time a model holds a BatchNorm
+#: subclass from that package that no converter covers yet
+ENTRY_POINT_GROUP = "syncbn.converters"
+
+
+class Converter(NamedTuple):
+    """How one BatchNorm subclass becomes synchronized and back (``None``: the default twin)."""
+
+    to_sync: Callable[[Any], nn.Module] | None
+    to_plain: Callable[[Any], nn.Module] | None
+
+
+# BatchNorm class -> its converter; filled by register_converter
+_CONVERTERS: dict[type[_BatchNorm], Converter] = {}
+# top-level packages whose entry points were already loaded
+_LOADED_ENTRY_POINTS: set[str] = set()
+
+
+def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
+    """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode."""
+    for name, param in source.named_parameters(recurse=False):
+        setattr(target, name, param)
+    for name, buffer in source.named_buffers(recurse=False):
+        setattr(target, name, buffer)
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+    return target
+
+
+def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) -> _BatchNormT:
+    """A ``cls`` layer with ``source``'s settings that shares its Parameters, buffers and mode.
+
+    Built on the meta device, so nothing is allocated before the state is shared.
+    ``kwargs`` go to ``cls``'s constructor after the five BatchNorm settings.
+    """
+    twin = cls(
+        source.num_features,
+        source.eps,
+        source.momentum,
+        source.affine,
+        source.track_running_stats,
+        device="meta",
+        **kwargs,
+    )
+    share_state(source, twin)
+    return twin
+
+
+def register_converter(
+    bn_class: type[_BatchNorm],
+    to_sync: Callable[[Any], nn.Module] | None = None,
+    to_plain: Callable[[Any], nn.Module] | None = None,
+) -> None:
+    r"""Teach :func:`syncbn.convert_sync_batchnorm` to convert a BatchNorm subclass.
+
+    :func:`~syncbn.convert_sync_batchnorm` converts plain ``BatchNorm1d``/``2d``/``3d``
+    layers by itself. A subclass with its own ``forward`` (timm's ``BatchNormAct2d``,
+    detectron2's ``NaiveSyncBatchNorm``, your own) is left unconverted with a warning
+    until a converter for it is registered here. Subclasses of ``bn_class`` that do
+    not override its ``forward`` use the same converter.
+
+    Args:
+        bn_class: the BatchNorm subclass (a subclass of ``torch.nn.modules.batchnorm._BatchNorm``).
+        to_sync: called with a ``bn_class`` layer, returns the :class:`syncbn.SyncBatchNorm`
+            (or a subclass of it) that replaces it, sharing its Parameters and buffers
+            (:func:`syncbn.convert.batchnorm_twin` does that). The conversion then sets
+            ``layer_name``, ``check_layer_order`` and ``process_group`` on it. ``None``
+            gives a plain :class:`syncbn.SyncBatchNorm`: right for a class whose forward
+            computes what BatchNorm computes (detectron2's ``NaiveSyncBatchNorm``).
+            Default: ``None``
+        to_plain: the inverse, used by :func:`syncbn.revert_sync_batchnorm`: called with
+            the layer that ``to_sync`` returned, returns a ``bn_class`` layer sharing its
+            state. ``None`` builds ``bn_class`` with the layer's settings (its constructor
+            must take BatchNorm's arguments). Default: ``None``
+
+    Registering a class again replaces its converter.
+
+    Examples::
+
+        >>> from detectron2.layers import NaiveSyncBatchNorm
+        >>> syncbn.register_converter(NaiveSyncBatchNorm)
+        >>> model = syncbn.convert_sync_batchnorm(model)  # converts NaiveSyncBatchNorm too
+    """
+    if not (isinstance(bn_class, type) and issubclass(bn_class, _BatchNorm)):
+        raise TypeError(
+            f"register_converter expected a BatchNorm class (a subclass of _BatchNorm), "
+            f"but got {bn_class!r}"
+        )
+    for name, function in (("to_sync", to_sync), ("to_plain", to_plain)):
+        if function is not None and not callable(function):
+            raise TypeError(f"register_converter expected {name} to be callable or None")
+    _CONVERTERS[bn_class] = Converter(to_sync, to_plain)
+
+
+def _load_entry_points(package: str) -> None:
+    """Load the converters that installed distributions offer for ``package``, once."""
+    if package in _LOADED_ENTRY_POINTS:
+        return
+    _LOADED_ENTRY_POINTS.add(package)
+    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name == package:
+            entry_point.load()()
+
+
+def converter_for(cls: type[nn.Module]) -> Converter | None:
+    """The converter registered for ``cls`` or for the class whose ``forward`` it inherits."""
+    for base in cls.__mro__:
+        if base in _CONVERTERS:
+            return _CONVERTERS[base] if base.forward is cls.forward else None  # type: ignore[index]
+    return None
+
+
+def _find_converter(cls: type[nn.Module]) -> Converter | None:
+    converter = converter_for(cls)
+    package = cls.__module__.partition(".")[0]
+    if converter is None and package in sys.modules:
+        _load_entry_points(package)
+        converter = converter_for(cls)
+    return converter
+
+
+def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
+    plain_forwards = (_BatchNorm.forward, nn.SyncBatchNorm.forward, sync_class.forward)
+    return isinstance(module, _BatchNorm) and type(module).forward in plain_forwards
+
+
+class _Walk(NamedTuple):
+    sync_class: type[Any]  # syncbn.SyncBatchNorm, which this module does not import
+    process_group: dist.ProcessGroup | None
+    check_layer_order: bool
+    unconverted: list[str]
+    lazy: list[str]
+
+
+def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
+    """What replaces ``module`` (which is not a ``walk.sync_class`` already)."""
+    described = f"'{path or type(module).__name__}' ({type(module).__qualname__})"
+    if not isinstance(module, _BatchNorm):
+        return module
+    if any(is_lazy(p) for p in module.parameters()):
+        walk.lazy.append(described)
+        return module
+    group = walk.process_group
+    if group is None:
+        group = getattr(module, "process_group", None)
+    converter = None
+    if not _is_plain_batchnorm(module, walk.sync_class):
+        converter = _find_converter(type(module))
+        if converter is None:
+            walk.unconverted.append(described)
+            return module
+    if converter is None or converter.to_sync is None:
+        result = batchnorm_twin(module, walk.sync_class)
+    else:
+        result = converter.to_sync(module)
+    if not isinstance(result, walk.sync_class):
+        raise TypeError(
+            f"the converter registered for {type(module).__qualname__} returned a "
+            f"{type(result).__qualname__}, expected a {walk.sync_class.__qualname__}"
+        )
+    result.process_group = group
+    result._original_class = type(module)
+    return result
+
+
+def _convert(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
+    if isinstance(module, walk.sync_class):
+        if walk.process_group is not None:
+            module.process_group = walk.process_group
+        result = module
+    else:
+        result = _synchronized(module, path, walk)
+    if isinstance(result, walk.sync_class):
+        result.layer_name = path
+        result.check_layer_order = walk.check_layer_order
+    for name, child in module.named_children():
+        result.add_module(name, _convert(child, f"{path}.{name}" if path else name, walk))
+    return result
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def convert_modules(
+    module: nn.Module,
+    sync_class: type[Any],
+    process_group: dist.ProcessGroup | None,
+    check_layer_order: bool,
+) -> nn.Module:
+    """Replace the BatchNorm layers of ``module`` with ``sync_class`` layers (see convert.py).
+
+    Warns, once per call, about the layers it had to leave unconverted.
+    """
+    walk = _Walk(sync_class, process_group, check_layer_order, [], [])
+    result = _convert(module, "", walk)
+    if walk.unconverted:
+        warnings.warn(
+            f"convert_sync_batchnorm left {len(walk.unconverted)} BatchNorm layer(s) "
+            f"unconverted: {_listed(walk.unconverted)}. Their class overrides forward(), and "
+            "converting it would drop what that forward adds, so they keep local (per-rank) "
+            "statistics. Register a converter for the class with "
+            "syncbn.register_converter(cls, to_sync, to_plain) to synchronize them.",
+            stacklevel=3,
+        )
+    if walk.lazy:
+        warnings.warn(
+            f"convert_sync_batchnorm left lazy layer(s) {_listed(walk.lazy)} unconverted: "
+            "run one forward pass first so that their parameters are materialised",
+            stacklevel=3,
+        )
+    return result
