@@ -49,10 +49,11 @@ class Net(L.LightningModule):
         return self.head(self.bn(x)).square().mean()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        state = self.bn.state_dict()
         record = {
             "class": type(self.bn).__name__,
-            "running_mean": self.bn.running_mean.clone(),
-            "running_var": self.bn.running_var.clone(),
+            "running_mean": state["running_mean"].clone(),
+            "running_var": state["running_var"].clone(),
             "local_batch": self.local_batch,
         }
         torch.save(record, self.out / f"rank{self.global_rank}.pt")

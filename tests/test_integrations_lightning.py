@@ -8,16 +8,13 @@ with its whole process group if it outlives ``FIT_TIMEOUT``.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _launcher import free_port, loopback_env, run_launcher
 from torch import nn
 
 pytest.importorskip("lightning", reason="lightning is an optional dependency (syncbn[lightning])")
@@ -31,46 +28,10 @@ SCRIPT = Path(__file__).resolve().with_name("_lightning_fit.py")
 FIT_TIMEOUT = 100.0  # seconds; below pytest-timeout's 120 so that the cleanup runs first
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _fit(tmp_path: Path, strategy: str, *options: str) -> list[dict[str, Any]]:
     """Run the script; return each rank's record of its layer after the step."""
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore::DeprecationWarning",
-    )
-    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    if loopback:  # gloo binds this interface instead of the one the hostname resolves to
-        env["GLOO_SOCKET_IFNAME"] = loopback[0]
     command = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *options]
-    with subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: the ranks are killed with it
-    ) as proc:
-        try:
-            output, _ = proc.communicate(timeout=FIT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"{strategy} fit did not finish in {FIT_TIMEOUT:.0f}s:\n{output}")
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # any rank left behind
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, output
+    run_launcher(command, tmp_path, loopback_env(free_port()), FIT_TIMEOUT)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
 
 

@@ -115,7 +115,7 @@ class SyncBatchNormAct2d(SyncBatchNorm):
         )
         # what revert_sync_batchnorm gives back for a layer built directly (conversion sets
         # the class it replaced: BatchNormAct2d, or timm's SyncBatchNormAct)
-        self._original_class: type[nn.Module] | None = BatchNormAct2d
+        self._original_class = BatchNormAct2d
         self.drop: nn.Module = drop_layer() if drop_layer is not None else nn.Identity()
         act: nn.Module | None = None
         if apply_act:
