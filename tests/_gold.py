@@ -9,14 +9,15 @@ process on the concatenation. Shared by the core tests and the property tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
 
-__all__ = ["Case", "compare", "reference", "run_rank"]
+__all__ = ["Case", "Tolerance", "compare", "reference", "run_rank"]
 
 _DTYPES = {
     "float64": torch.float64,
@@ -83,14 +84,14 @@ class Case:
         return torch.channels_last if len(self.tail) == 3 else torch.channels_last_3d
 
 
-def _init(module: nn.Module, case: Case, weight: torch.Tensor, bias: torch.Tensor) -> None:
+def _init(module: _BatchNorm, case: Case, weight: torch.Tensor, bias: torch.Tensor) -> None:
     if case.affine:
         with torch.no_grad():
             module.weight.copy_(weight)
             module.bias.copy_(bias)
 
 
-def _step_record(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, Any]:
+def _step_record(module: _BatchNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, Any]:
     x = x.detach().requires_grad_()
     y = module(x)
     y.backward(dy)
@@ -104,6 +105,7 @@ def _step_record(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[s
         else True,
     }
     if module.weight is not None:
+        assert module.weight.grad is not None and module.bias.grad is not None
         record["grad_weight"] = module.weight.grad.detach().clone()
         record["grad_bias"] = module.bias.grad.detach().clone()
         module.weight.grad = None
@@ -164,7 +166,14 @@ def reference(case: Case) -> dict[str, Any]:
     return {"steps": steps, "state": _state(module)}
 
 
-def _tolerances(case: Case) -> dict[str, float]:
+class Tolerance(TypedDict):
+    """Keyword arguments of ``torch.testing.assert_close``."""
+
+    rtol: float
+    atol: float
+
+
+def _tolerances(case: Case) -> Tolerance:
     if case.dtype == "float64":
         return {"rtol": 1e-9, "atol": 1e-10}
     if case.dtype == "float32":

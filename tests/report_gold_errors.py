@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -25,7 +26,7 @@ from test_collectives import _large_mean_statistics  # noqa: E402
 from test_ddp import SIZES as DDP_SIZES  # noqa: E402
 from test_ddp import _max_error, _train_ddp, _train_reference  # noqa: E402
 
-_DDP_OPTIONS = [
+_DDP_OPTIONS: list[dict[str, Any]] = [
     {},
     {"micro": 2},
     {"checkpointing": "reentrant"},

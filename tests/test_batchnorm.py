@@ -9,7 +9,7 @@ from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 
 # (world 2 sizes, world 3 sizes): uneven, and one rank empty
-SIZES = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
+SIZES: dict[int, list[tuple[int, ...]]] = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
 
 CASES = {
     "1d-NC": Case(sizes=(), tail=(5,)),

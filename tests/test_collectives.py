@@ -71,11 +71,13 @@ def test_no_process_group_is_exactly_batchnorm() -> None:
             y, y_ref = sync_bn(x), plain_bn(x_ref)
             y.square().sum().backward()
             y_ref.square().sum().backward()
+            assert x.grad is not None and x_ref.grad is not None
             assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad), step
         sync_bn.eval(), plain_bn.eval()
         x = torch.randn(2, 4, 5, 5)
         assert torch.equal(sync_bn(x), plain_bn(x))
     assert log == []
+    assert sync_bn.weight.grad is not None and plain_bn.weight.grad is not None
     assert torch.equal(sync_bn.weight.grad, plain_bn.weight.grad)
     for key, value in plain_bn.state_dict().items():
         assert torch.equal(sync_bn.state_dict()[key], value), key
@@ -86,6 +88,7 @@ def _eval_is_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     x = torch.randn(3, 4, 5, 5) * (rank + 1)
     tracked = syncbn.SyncBatchNorm(4).eval()
     untracked = syncbn.SyncBatchNorm(4, track_running_stats=False).eval()
+    assert tracked.running_mean is not None and tracked.running_var is not None
     with torch.no_grad():
         tracked.running_mean.fill_(0.5)
         tracked.running_var.fill_(2.0)
@@ -112,6 +115,7 @@ def _large_mean_statistics(rank: int, world_size: int, sizes: tuple[int, ...]) -
     start = sum(sizes[:rank])
     bn = syncbn.SyncBatchNorm(4, momentum=1.0)  # running stats = this batch's statistics
     bn(x[start : start + sizes[rank]])
+    assert bn.running_mean is not None and bn.running_var is not None
     return torch.stack([bn.running_mean, bn.running_var]).double()
 
 

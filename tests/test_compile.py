@@ -3,7 +3,8 @@
 Most scenarios compile with the ``aot_eager`` backend: it runs dynamo and AOTAutograd
 (the tracing that graph breaks, fake kernels and the autograd formula of syncbn's custom
 ops are about) without inductor's C++ code generation, which costs ~30 s per rank on
-this 2-core machine. One scenario compiles with inductor, the default backend.
+this 2-core machine. One scenario compiles with inductor, the default backend, for one
+training step.
 """
 
 from __future__ import annotations
@@ -114,6 +115,37 @@ def test_compiled_training_equals_eager(pool: WorkerPool) -> None:
         # a first graph, one recompile for dynamic batch sizes, one for the empty batch (dynamo
         # specializes sizes 0 and 1); the other sizes reuse the dynamic graph
         assert result["compiles"] <= 3, result["compiles"]
+
+
+def _inductor_vs_eager(rank: int, world_size: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    # small, so that inductor's C++ compilation stays within seconds: one fused ReLU kernel
+    # around the custom ops, forward and backward
+    eager = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()).double())
+    compiled_model = copy.deepcopy(eager)
+    # compile in this process: a pool of compile workers costs more to start than it saves here
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    compiled = torch.compile(compiled_model, fullgraph=True)  # inductor: generated C++ kernels
+    x = torch.randn(3 + 2 * rank, 3, 4, 4, dtype=torch.float64)  # 3 and 5: uneven batches
+    outputs = []
+    for model, run in ((eager, eager), (compiled_model, compiled)):
+        y = run(x)
+        y.square().sum().backward()
+        outputs.append({"output": y.detach()} | dict(_grads(model)) | model.state_dict())
+    return {"eager": outputs[0], "compiled": outputs[1]}
+
+
+def test_inductor_training_step_equals_eager(pool2: WorkerPool) -> None:
+    """The default backend: inductor compiles the graph around syncbn's custom ops, which keep
+    the strides their fake kernels promise (needs_exact_strides)."""
+    for result in pool2.run(_inductor_vs_eager, timeout=240.0):
+        eager, compiled = result["eager"], result["compiled"]
+        assert eager.keys() == compiled.keys()
+        for key, value in eager.items():
+            torch.testing.assert_close(compiled[key], value, rtol=1e-10, atol=1e-12, msg=key)
 
 
 class _CheckpointedBlock(nn.Module):

@@ -7,6 +7,7 @@ import pickle
 import warnings
 from collections.abc import Iterator
 from importlib import metadata
+from typing import cast
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ class RenamedBatchNorm2d(nn.BatchNorm2d):
     """A subclass that keeps BatchNorm's forward: safe to convert."""
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     lazy = nn.LazyBatchNorm2d()
     lazy(torch.randn(2, 4, 3, 3))  # materialise
     return nn.Sequential(
@@ -49,14 +50,14 @@ def _model() -> nn.Module:
 def test_convert_replaces_every_plain_batchnorm_and_shares_state() -> None:
     model = _model()
     model[1].weight.requires_grad_(False)
-    model[2][0].eval()
+    cast(nn.Sequential, model[2])[0].eval()
     before = dict(model.named_modules())
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     with pytest.warns(
         UserWarning, match=r"1 BatchNorm layer\(s\) unconverted: '7' \(BatchNormAct2d\)"
     ):
-        converted = syncbn.convert_sync_batchnorm(model)
+        converted = cast(nn.Sequential, syncbn.convert_sync_batchnorm(model))
     assert converted is model
     after = dict(converted.named_modules())
     for name in ["1", "2.0", "2.1", "3", "4", "5", "6", "8"]:
@@ -120,7 +121,9 @@ def test_converted_model_computes_what_the_original_did() -> None:
         (None, syncbn.BatchNormNd),
     ],
 )
-def test_revert_picks_the_class_from_the_last_input(shape, expected) -> None:  # type: ignore[no-untyped-def]
+def test_revert_picks_the_class_from_the_last_input(
+    shape: tuple[int, ...] | None, expected: type[nn.Module]
+) -> None:
     layer = syncbn.SyncBatchNorm(3, momentum=0.3, eps=1e-4)
     if shape is not None:
         layer(torch.randn(shape))
@@ -135,12 +138,12 @@ def test_round_trip_keeps_state_dict_identical() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm1d(4))
     state = {k: v.clone() for k, v in plain.state_dict().items()}
-    converted = syncbn.convert_sync_batchnorm(plain)
+    converted = cast(nn.Sequential, syncbn.convert_sync_batchnorm(plain))
     converted[1](torch.randn(2, 4, 3, 3))
     converted[2](torch.randn(2, 4))
     trained = {k: v.clone() for k, v in converted.state_dict().items()}
     assert trained.keys() == state.keys()
-    reverted = syncbn.revert_sync_batchnorm(converted)
+    reverted = cast(nn.Sequential, syncbn.revert_sync_batchnorm(converted))
     assert [type(m) for m in reverted] == [nn.Conv2d, nn.BatchNorm2d, nn.BatchNorm1d]
     after = reverted.state_dict()
     assert after.keys() == trained.keys()
@@ -186,7 +189,7 @@ def test_revert_restores_the_class_each_layer_replaced() -> None:
         warnings.simplefilter("ignore")  # '7' stays unconverted
         syncbn.convert_sync_batchnorm(model)
     model[5](torch.randn(2, 4, 3))  # a BatchNorm2d that saw a 3-D input stays a BatchNorm2d
-    reverted = syncbn.revert_sync_batchnorm(copy.deepcopy(model))
+    reverted = cast(nn.Sequential, syncbn.revert_sync_batchnorm(copy.deepcopy(model)))
     expected = [
         nn.Conv2d,
         nn.BatchNorm2d,  # never saw an input
@@ -199,11 +202,13 @@ def test_revert_restores_the_class_each_layer_replaced() -> None:
         RenamedBatchNorm2d,
     ]
     assert [type(m) for m in list(reverted)[:9]] == expected
-    assert [type(m) for m in reverted[2]] == [nn.BatchNorm1d, nn.BatchNorm3d]
-    assert reverted[3].eps == 1e-3 and reverted[2][0].momentum is None
+    reverted_inner = cast(nn.Sequential, reverted[2])
+    assert [type(m) for m in reverted_inner] == [nn.BatchNorm1d, nn.BatchNorm3d]
+    assert reverted[3].eps == 1e-3 and reverted_inner[0].momentum is None
     # the class is remembered through pickling too
     unpickled = pickle.loads(pickle.dumps(model))
-    assert type(syncbn.revert_sync_batchnorm(unpickled)[8]) is RenamedBatchNorm2d
+    reverted_unpickled = cast(nn.Sequential, syncbn.revert_sync_batchnorm(unpickled))
+    assert type(reverted_unpickled[8]) is RenamedBatchNorm2d
 
 
 class ScaledBatchNorm2d(nn.BatchNorm2d):
@@ -222,7 +227,8 @@ def test_revert_names_a_class_it_cannot_rebuild() -> None:
         ScaledBatchNorm2d,
         to_plain=lambda layer: _conversion.share_state(layer, ScaledBatchNorm2d(3, 2.0)),
     )
-    assert type(syncbn.revert_sync_batchnorm(model)[0]) is ScaledBatchNorm2d
+    reverted = cast(nn.Sequential, syncbn.revert_sync_batchnorm(model))
+    assert type(reverted[0]) is ScaledBatchNorm2d
 
 
 class NaiveSyncBatchNorm(nn.BatchNorm2d):
@@ -343,6 +349,6 @@ def test_entry_points_offer_converters_for_their_package(monkeypatch: pytest.Mon
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         syncbn.convert_sync_batchnorm(model)
-    assert [type(model[0]), type(model[1][0])] == [SyncAct, SyncAct]
+    assert [type(model[0]), type(cast(nn.Sequential, model[1])[0])] == [SyncAct, SyncAct]
     assert scans == [_conversion.ENTRY_POINT_GROUP]  # scanned once, loaded once
     assert _register_act_converter.calls == 1  # type: ignore[attr-defined]

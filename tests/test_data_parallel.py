@@ -14,12 +14,13 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import pytest
 import torch
-from _gold import Case, reference
+from _gold import Case, Tolerance, reference
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn.data_parallel import (
     DataParallelWithCallback,
@@ -33,9 +34,9 @@ from syncbn.data_parallel import (
     patch_replication_callback,
 )
 
-SYNC_CLASSES = {2: SynchronizedBatchNorm1d, 3: SynchronizedBatchNorm1d}
+SYNC_CLASSES: dict[int, type[_BatchNorm]] = {2: SynchronizedBatchNorm1d, 3: SynchronizedBatchNorm1d}
 SYNC_CLASSES.update({4: SynchronizedBatchNorm2d, 5: SynchronizedBatchNorm3d})
-TOL = {"rtol": 1e-9, "atol": 1e-10}
+TOL: Tolerance = {"rtol": 1e-9, "atol": 1e-10}
 THREAD_JOIN_SECONDS = 60.0
 
 
@@ -102,7 +103,9 @@ def forward_backward(
     def work(copy_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         output = replicas[copy_id](leaves[copy_id])
         output.backward(dys[copy_id])
-        return output.detach(), leaves[copy_id].grad
+        grad_input = leaves[copy_id].grad
+        assert grad_input is not None
+        return output.detach(), grad_input
 
     results, errors = in_threads(work, len(replicas))
     for error in errors:
@@ -113,6 +116,11 @@ def forward_backward(
 
 def split(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return list(tensor.split(list(sizes)))
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message callback that puts ``prefix`` before torch's message."""
+    return lambda message: f"{prefix}: {message}"
 
 
 # sizes: one slice per replica, uneven, some empty
@@ -163,7 +171,7 @@ def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
     state = module.state_dict()
     assert state.keys() == expected["state"].keys()
     for key, value in expected["state"].items():
-        torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(state[key], value, **TOL, msg=_prefixed(key))
 
 
 class TwoLayers(nn.Module):
@@ -299,6 +307,15 @@ def test_without_several_replicas_the_layer_is_plain_batchnorm() -> None:
     torch.testing.assert_close(lonely(x), expected.eval()(x), rtol=0, atol=0)
 
 
+class _Options(TypedDict):
+    """Keyword arguments of the BatchNorm constructors."""
+
+    eps: float
+    momentum: float | None
+    affine: bool
+    track_running_stats: bool
+
+
 def test_constructor_dim_checks_and_state_dict_match_torch() -> None:
     pairs = [
         (
@@ -311,7 +328,7 @@ def test_constructor_dim_checks_and_state_dict_match_torch() -> None:
         (SynchronizedBatchNorm3d, nn.BatchNorm3d, (4, 2), "expected 5D input (got 3D input)"),
     ]
     for sync_cls, torch_cls, tail, message in pairs:
-        kwargs = dict(eps=1e-3, momentum=0.3, affine=False, track_running_stats=True)
+        kwargs = _Options(eps=1e-3, momentum=0.3, affine=False, track_running_stats=True)
         ours, theirs = sync_cls(4, **kwargs), torch_cls(4, **kwargs)
         assert ours.state_dict().keys() == theirs.state_dict().keys()
         assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
@@ -410,16 +427,21 @@ def test_convert_model_keeps_data_parallel_settings() -> None:
     assert getattr(converted, "output_device", None) == getattr(wrapped, "output_device", None)
 
 
-def _replicas_without_callbacks(module: nn.Module, device_ids: Sequence[int]) -> list[nn.Module]:
+def _replicas_without_callbacks(
+    module: nn.Module, device_ids: Sequence[int | torch.device]
+) -> list[nn.Module]:
     return copies_like_replicate(module, len(device_ids))
 
 
 def _synced_copies(replicas: Sequence[nn.Module]) -> list[int]:
-    return [m._replica_sync.num_copies for r in replicas for m in r.modules() if m._replica_sync]  # type: ignore[union-attr]
+    # the replicas are copies of one SynchronizedBatchNorm1d: their only module is the layer
+    layers = [cast(SynchronizedBatchNorm1d, m) for r in replicas for m in r.modules()]
+    return [m._replica_sync.num_copies for m in layers if m._replica_sync]
 
 
 @pytest.mark.usefixtures("without_cuda")
 def test_patch_replication_callback_runs_the_callbacks_after_replicate() -> None:
+    data_parallel: nn.DataParallel[nn.Module]
     data_parallel = nn.DataParallel(SynchronizedBatchNorm1d(3), device_ids=[0, 1])
     data_parallel.replicate = _replicas_without_callbacks  # type: ignore[method-assign]
     assert _synced_copies(data_parallel.replicate(data_parallel.module, [0, 1])) == []
@@ -463,7 +485,7 @@ def test_vacancy_readme_usage_runs() -> None:
     x = torch.randn(16, 10, device=device)
     expected = nn.BatchNorm1d(10, eps=1e-5, affine=False).to(device)(x)
 
-    sync_bn = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False).to(device)
+    sync_bn: nn.Module = SynchronizedBatchNorm1d(10, eps=1e-5, affine=False).to(device)
     sync_bn = DataParallelWithCallback(sync_bn, device_ids=[0, 1])
     torch.testing.assert_close(sync_bn(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -473,7 +495,7 @@ def test_vacancy_readme_usage_runs() -> None:
         patch_replication_callback(sync_bn)  # monkey-patching
         torch.testing.assert_close(sync_bn(x), expected, rtol=1e-5, atol=1e-5)
 
-    m = small_resnet().to(device)
+    m: nn.Module = small_resnet().to(device)
     m = nn.DataParallel(m)
     m = convert_model(m)
     assert sum(isinstance(layer, SynchronizedBatchNorm2d) for layer in m.modules()) == 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -129,7 +129,7 @@ def _assert_bitwise_equal_across_ranks(states: list[dict[str, torch.Tensor]]) ->
             assert torch.equal(state[key], value), key
 
 
-SIZES = {2: [(2, 2), (3, 1)], 3: [(2, 2, 2), (1, 0, 4)]}
+SIZES: dict[int, list[tuple[int, ...]]] = {2: [(2, 2), (3, 1)], 3: [(2, 2, 2), (1, 0, 4)]}
 
 
 @pytest.mark.parametrize("sizes_index", [0, 1], ids=["even", "uneven"])
@@ -169,7 +169,7 @@ def test_checkpoint_loads_into_plain_model_and_back(pool2: WorkerPool) -> None:
     state = pool2.run(_train_ddp, (2, 2), {})[0]
     plain = _model()
     plain.load_state_dict(state)  # strict: same keys, same shapes
-    converted = syncbn.convert_sync_batchnorm(_model())
+    converted = cast(nn.Sequential, syncbn.convert_sync_batchnorm(_model()))
     converted.load_state_dict(plain.state_dict())
     for key, value in state.items():
         assert torch.equal(converted.state_dict()[key], value), key

@@ -144,6 +144,7 @@ def _blocks(rank: int, world_size: int, group_size: int) -> dict[str, object]:
     bn = syncbn.SyncBatchNorm(2, momentum=1.0, process_group=group)
     x = torch.full((3, 2), float(rank))  # each rank's batch has its own mean
     bn(x)
+    assert bn.running_mean is not None
     return {"size": dist.get_world_size(group), "mean": bn.running_mean.tolist()}
 
 

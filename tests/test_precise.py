@@ -12,7 +12,7 @@ from torch import nn
 import syncbn
 
 
-def _model(sync: bool) -> nn.Module:
+def _model(sync: bool) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),
@@ -109,6 +109,7 @@ def test_layers_that_saw_too_little_keep_their_statistics() -> None:
     kept = r"kept the running statistics of BatchNorm1d layer 'unused' \(2 channels\).*saw 0"
     with pytest.warns(UserWarning, match=kept):
         syncbn.recompute_statistics(model, [torch.randn(3, 2), torch.randn(4, 2)])
+    assert model.unused.running_var is not None and model.used.running_var is not None
     assert torch.equal(model.unused.running_var, torch.ones(2))
     assert not torch.equal(model.used.running_var, torch.ones(2))
     with pytest.raises(ValueError, match="num_batches must be non-negative"):

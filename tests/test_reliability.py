@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -20,7 +20,10 @@ import syncbn
 
 
 def _different_layers(rank: int, world_size: int, phase: str) -> tuple[str, str]:
-    model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)))
+    model = cast(
+        nn.Sequential,
+        syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))),
+    )
     x = torch.randn(4, 3, requires_grad=True)
     assert outcome(model, x) == ("ok", "")  # both layers, in order, on every rank
     if phase == "forward":
@@ -43,8 +46,11 @@ def test_ranks_at_different_layers_raise_naming_their_own_layer(
 
 
 def _check_disabled(rank: int, world_size: int) -> tuple[str, str]:
-    model = syncbn.convert_sync_batchnorm(
-        nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)), check_layer_order=False
+    model = cast(
+        nn.Sequential,
+        syncbn.convert_sync_batchnorm(
+            nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)), check_layer_order=False
+        ),
     )
     return outcome(model[rank % 2], torch.randn(4, 3))
 
@@ -127,6 +133,7 @@ def _non_finite(rank: int, world_size: int, value: float) -> dict[str, torch.Ten
         x[1, 1, 0] = value  # channel 1 of rank 0's batch
     bn = syncbn.SyncBatchNorm(3, dtype=torch.float64)
     y = bn(x)
+    assert bn.running_mean is not None and bn.running_var is not None
     return {"output": y.detach(), "mean": bn.running_mean.clone(), "var": bn.running_var.clone()}
 
 
@@ -147,6 +154,7 @@ def test_non_finite_input_gives_batchnorm_pattern_without_hang(
     torch.testing.assert_close(output[finite], expected[finite])
     for result in results:
         for key, ref in (("mean", reference.running_mean), ("var", reference.running_var)):
+            assert ref is not None, key
             assert torch.equal(result[key].isfinite(), ref.isfinite()), key
 
 
@@ -216,6 +224,7 @@ def _training_without_grad(rank: int, world_size: int) -> dict[str, Any]:
     x = torch.randn(3 * world_size, 3, generator=gen)
     with torch.no_grad():
         y = bn(x[3 * rank : 3 * rank + 3])
+    assert bn.running_mean is not None
     return {"requires_grad": y.requires_grad, "mean": bn.running_mean.clone(), "x": x}
 
 
