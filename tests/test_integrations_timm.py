@@ -169,17 +169,18 @@ _FRESH_INTERPRETER = textwrap.dedent(
     import torch
     from torch import nn
     import syncbn
-    from syncbn._conversion import converter_for
+    from syncbn import _conversion
     syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)))
     assert "timm" not in sys.modules, "import syncbn or a conversion imported timm"
     import syncbn.integrations.timm as integration
     from timm.layers import BatchNormAct2d
-    assert converter_for(BatchNormAct2d) is None, "importing the integration registered"
-    # a layer built directly reverts through the converter, found on demand
+    assert BatchNormAct2d not in _conversion._CONVERTERS, "importing the integration registered"
+    # a layer built directly reverts through the converter, loaded from the entry point
     layer = integration.SyncBatchNormAct2d(3, act_layer="silu")
     act = layer.act
     reverted = syncbn.revert_sync_batchnorm(layer)
     assert type(reverted) is BatchNormAct2d and reverted.act is act, reverted
+    assert BatchNormAct2d in _conversion._CONVERTERS, "revert did not load the entry point"
     # the syncbn.converters entry point, loaded by the walk
     with warnings.catch_warnings():
         warnings.simplefilter("error")

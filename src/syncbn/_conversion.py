@@ -137,7 +137,7 @@ def _load_entry_points(package: str) -> None:
             entry_point.load()()
 
 
-def converter_for(cls: type[nn.Module]) -> Converter | None:
+def _registered_converter(cls: type[nn.Module]) -> Converter | None:
     """The converter registered for ``cls`` or for the class whose ``forward`` it inherits."""
     for base in cls.__mro__:
         if base in _CONVERTERS:
@@ -145,12 +145,13 @@ def converter_for(cls: type[nn.Module]) -> Converter | None:
     return None
 
 
-def _find_converter(cls: type[nn.Module]) -> Converter | None:
-    converter = converter_for(cls)
+def converter_for(cls: type[nn.Module]) -> Converter | None:
+    """The converter for ``cls``, registered or offered by an entry point for its package."""
+    converter = _registered_converter(cls)
     package = cls.__module__.partition(".")[0]
     if converter is None and package in sys.modules:
         _load_entry_points(package)
-        converter = converter_for(cls)
+        converter = _registered_converter(cls)
     return converter
 
 
@@ -180,7 +181,7 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
         group = getattr(module, "process_group", None)
     converter = None
     if not _is_plain_batchnorm(module, walk.sync_class):
-        converter = _find_converter(type(module))
+        converter = converter_for(type(module))
         if converter is None:
             walk.unconverted.append(described)
             return module
