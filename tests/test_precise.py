@@ -114,3 +114,85 @@ def test_layers_that_saw_too_little_keep_their_statistics() -> None:
     assert not torch.equal(model.used.running_var, torch.ones(2))
     with pytest.raises(ValueError, match="num_batches must be non-negative"):
         syncbn.recompute_statistics(model, [], num_batches=-1)
+
+
+class _BatchNormReLU(nn.BatchNorm2d):
+    """Like timm's BatchNormAct2d: a BatchNorm subclass whose forward adds an activation."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(input))
+
+
+class _SyncBatchNormReLU(syncbn.SyncBatchNorm):
+    """The same on top of SyncBatchNorm (like syncbn.integrations.timm.SyncBatchNormAct2d)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(input))
+
+
+def _layers_model(untracked: bool) -> nn.Sequential:
+    torch.manual_seed(1)
+    first: nn.Module = _BatchNormReLU(3)
+    if untracked:  # a layer without running statistics: normalizes each batch, never syncs
+        first = syncbn.SyncBatchNorm(3, track_running_stats=False)
+    return nn.Sequential(
+        first, nn.Conv2d(3, 3, 1), _SyncBatchNormReLU(3), nn.BatchNorm2d(3, momentum=None)
+    ).double()
+
+
+def _population(model: nn.Sequential, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What precise BN must give: each tracked layer's inputs over all batches, each batch run
+    through the model in training mode (plain BatchNorm semantics, no process group)."""
+    model.train()
+    inputs: dict[int, list[torch.Tensor]] = {}
+    for index, layer in enumerate(model):
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats:
+            inputs[index] = []
+            layer.register_forward_pre_hook(
+                lambda module, args, index=index: inputs[index].append(args[0])
+            )
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    stats = {}
+    for index, seen in inputs.items():
+        var, mean = torch.var_mean(torch.cat(seen), dim=(0, 2, 3), correction=1)
+        stats[f"{index}.running_mean"], stats[f"{index}.running_var"] = mean, var
+    return stats
+
+
+def _offset_batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(20 + rank)
+    sizes = [2, 1, 3][: rank + 2]  # rank r passes r + 2 batches
+    return [torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) + 3 for n in sizes]
+
+
+def test_subclasses_with_their_own_forward_keep_it() -> None:
+    """Before the fix, precise BN replaced every layer's forward: the ReLU of the first two
+    layers was lost, and every later layer recorded the moments of the wrong inputs."""
+    batches = _offset_batches(0) + _offset_batches(1)
+    model = _layers_model(untracked=False).eval()
+    syncbn.recompute_statistics(model, batches)
+    expected = _population(_layers_model(untracked=False), batches)
+    assert expected.keys() == {f"{i}.running_{s}" for i in (0, 2, 3) for s in ("mean", "var")}
+    for key, value in expected.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-10, atol=1e-12)
+    assert not model.training and not any(m.training for m in model)
+
+
+def _untracked_sync_layer(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    model = _layers_model(untracked=True).train()
+    syncbn.recompute_statistics(model, _offset_batches(rank))
+    assert all(m.training for m in model)  # the model's mode is restored
+    return model.state_dict()
+
+
+def test_a_layer_without_running_statistics_does_not_communicate(pool2: WorkerPool) -> None:
+    """Before the fix, a SyncBatchNorm with track_running_stats=False synchronized every batch,
+    so ranks passing different numbers of batches crashed in a mismatched collective."""
+    batches = [b for rank in range(pool2.world_size) for b in _offset_batches(rank)]
+    # the untracked layer normalizes each batch with that batch's local statistics
+    expected = _population(_layers_model(untracked=True), batches)
+    for state in pool2.run(_untracked_sync_layer):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12)

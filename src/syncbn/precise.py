@@ -6,11 +6,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -20,17 +19,26 @@ from syncbn._kernels import kernels_for
 __all__ = ["recompute_statistics"]
 
 
-def _moment_collecting_forward(
-    layer: _BatchNorm, sums: dict[int, torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A forward for ``layer`` that records its input's moments and normalizes it locally.
+class _LayerState(NamedTuple):
+    """What :func:`_collecting_moments` changes on a layer, to put back afterwards."""
 
-    The batch is normalized with its own statistics, as in training, without
-    communicating; a batch of one sample per channel (or none) is valid here, since only
+    training: bool
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+
+
+def _record_moments(
+    layer: _BatchNorm, sums: dict[int, torch.Tensor]
+) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    """A forward pre-hook that adds the moments of ``layer``'s input to ``sums`` and loads the
+    batch's own mean and variance into its running statistics, which the layer, in eval mode,
+    then normalizes with: the output of training mode, without communicating and without
+    updating anything. A batch of one sample per channel (or none) is valid here, since only
     the moments summed over all batches and ranks matter.
     """
 
-    def forward(input: torch.Tensor) -> torch.Tensor:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        input = args[0]
         layer._check_input_dim(input)
         count = input.numel() // input.shape[1]
         moments = kernels_for(input.device).local_moments(input)
@@ -38,25 +46,48 @@ def _moment_collecting_forward(
         sums[id(layer)] = packed if id(layer) not in sums else sums[id(layer)] + packed
         local_sums = torch.stack([moments.total, moments.square_total])
         mean, var, _ = _stats.global_statistics(local_sums, count, layer.eps, None)
-        dtype = _stats.stat_dtype(input.dtype)
-        return F.batch_norm(
-            input, mean.to(dtype), var.to(dtype), layer.weight, layer.bias, False, 0.0, layer.eps
-        )
+        layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+        layer.running_var.copy_(var)  # type: ignore[union-attr]
 
-    return forward
+    return hook
 
 
 @contextmanager
-def _collecting_moments(layers: list[_BatchNorm]) -> Iterator[dict[int, torch.Tensor]]:
-    """Temporarily give each layer a forward that accumulates packed moments of its input."""
+def _collecting_moments(
+    layers: list[_BatchNorm], tracked: list[_BatchNorm]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Hold every BatchNorm layer of ``layers`` in eval mode, where none communicates, and
+    record the input moments of the ``tracked`` ones; put everything back afterwards.
+
+    The layers keep their own ``forward``: a subclass that adds to it (timm's
+    ``BatchNormAct2d`` applies an activation) still does.
+    """
     sums: dict[int, torch.Tensor] = {}
+    saved = {
+        id(layer): _LayerState(
+            layer.training,
+            None if layer.running_mean is None else layer.running_mean.clone(),
+            None if layer.running_var is None else layer.running_var.clone(),
+        )
+        for layer in layers
+    }
+    hooks = [layer.register_forward_pre_hook(_record_moments(layer, sums)) for layer in tracked]
     for layer in layers:
-        layer.forward = _moment_collecting_forward(layer, sums)  # type: ignore[method-assign,assignment]
+        layer.training = False  # the layer alone: its children (act, drop) keep their mode
     try:
         yield sums
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer in layers:
-            del layer.forward  # back to the class's forward
+            state = saved[id(layer)]
+            layer.training = state.training
+            for buffer, value in (
+                (layer.running_mean, state.running_mean),
+                (layer.running_var, state.running_var),
+            ):
+                if buffer is not None and value is not None:
+                    buffer.copy_(value)
 
 
 def _describe(layer: _BatchNorm, names: dict[int, str]) -> str:
@@ -76,7 +107,11 @@ def recompute_statistics(
     rank) under ``torch.no_grad()``, with every BatchNorm layer (plain or
     :class:`syncbn.SyncBatchNorm`) normalizing each batch with that batch's own
     statistics, as in training, but without communicating and without touching
-    its running statistics. Each layer's input moments are accumulated exactly
+    its running statistics (each layer runs in eval mode with the batch's own mean and
+    variance loaded, so its class's own ``forward`` still runs: timm's ``BatchNormAct2d``
+    still applies its activation; layers with ``track_running_stats=False`` use the
+    batch's statistics and do not communicate either). Each layer's input moments are
+    accumulated exactly
     (count-weighted, in float64), summed over all ranks of ``process_group`` in a
     single ``all_reduce`` at the end, and written to ``running_mean`` (the
     population mean) and ``running_var`` (the unbiased population variance) of
@@ -113,7 +148,8 @@ def recompute_statistics(
     """
     if num_batches is not None and num_batches < 0:
         raise ValueError(f"num_batches must be non-negative or None, got {num_batches}")
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    all_layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    layers = [m for m in all_layers if m.track_running_stats]
     if not layers:
         return
     names = {id(module): name for name, module in model.named_modules()}
@@ -121,7 +157,7 @@ def recompute_statistics(
     world_size = distributed.get_world_size(process_group)
     sums: dict[int, torch.Tensor] = {}
     try:
-        with _collecting_moments(layers) as sums:
+        with _collecting_moments(all_layers, layers) as sums:
             for batch in islice(batches, num_batches):
                 model(batch)
     except Exception:
