@@ -352,3 +352,56 @@ def test_entry_points_offer_converters_for_their_package(monkeypatch: pytest.Mon
     assert [type(model[0]), type(cast(nn.Sequential, model[1])[0])] == [SyncAct, SyncAct]
     assert scans == [_conversion.ENTRY_POINT_GROUP]  # scanned once, loaded once
     assert _register_act_converter.calls == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"affine": False}, {"affine": False, "track_running_stats": False}]
+)
+def test_unmaterialised_lazy_batchnorm_without_parameters_is_left_too(
+    kwargs: dict[str, bool],
+) -> None:
+    """Before the fix, a lazy layer with no Parameters passed the lazy check and became a
+    SyncBatchNorm with 0 channels, which then refused every input."""
+    model = nn.Sequential(nn.LazyBatchNorm2d(**kwargs))
+    with pytest.warns(UserWarning, match=r"lazy layer\(s\) '0' \(LazyBatchNorm2d\)"):
+        syncbn.convert_sync_batchnorm(model)
+    assert isinstance(model[0], nn.LazyBatchNorm2d)
+    if kwargs.get("track_running_stats", True):  # lazy buffers: their size comes from an input
+        model(torch.randn(2, 4, 3, 3))  # materialises as BatchNorm2d, which then converts
+        assert syncbn.convert_sync_batchnorm(model)[0].num_features == 4
+
+
+class ConstructedBatchNorm2d(nn.BatchNorm2d):
+    """Keeps BatchNorm's forward, but its constructor takes other arguments."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, eps=1e-3)
+
+
+def test_a_registered_converter_is_used_for_a_class_with_batchnorm_forward() -> None:
+    """Before the fix, such a class skipped its to_sync (converted by the default twin) but
+    reverted through its to_plain."""
+    calls = []
+
+    def to_sync(module: ConstructedBatchNorm2d) -> syncbn.SyncBatchNorm:
+        calls.append("to_sync")
+        return _conversion.batchnorm_twin(module, syncbn.SyncBatchNorm)
+
+    def to_plain(layer: syncbn.SyncBatchNorm) -> ConstructedBatchNorm2d:
+        calls.append("to_plain")
+        return _conversion.share_state(layer, ConstructedBatchNorm2d(layer.num_features))
+
+    syncbn.register_converter(ConstructedBatchNorm2d, to_sync, to_plain)
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(ConstructedBatchNorm2d(3)))
+    assert type(model[0]) is syncbn.SyncBatchNorm and model[0].eps == 1e-3
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is ConstructedBatchNorm2d and calls == ["to_sync", "to_plain"]
+
+
+def test_revert_leaves_a_directly_built_subclass_with_its_own_forward() -> None:
+    """Before the fix, it became a BatchNorm2d and silently lost its ReLU."""
+    model = nn.Sequential(SyncAct(3), syncbn.SyncBatchNorm(3))
+    model(torch.randn(2, 3, 2, 2))
+    with pytest.warns(UserWarning, match=r"left 1 layer\(s\) synchronized: '0' \(SyncAct\)"):
+        syncbn.revert_sync_batchnorm(model)
+    assert [type(m) for m in model] == [SyncAct, nn.BatchNorm2d]

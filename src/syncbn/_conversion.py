@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parameter import is_lazy
+from torch.nn.modules.lazy import LazyModuleMixin
 
 __all__ = [
     "Converter",
@@ -173,15 +173,16 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     described = f"'{path or type(module).__name__}' ({type(module).__qualname__})"
     if not isinstance(module, _BatchNorm):
         return module
-    if any(is_lazy(p) for p in module.parameters()):
+    if isinstance(module, LazyModuleMixin):  # a materialised one has become its cls_to_become
         walk.lazy.append(described)
         return module
     group = walk.process_group
     if group is None:
         group = getattr(module, "process_group", None)
-    converter = None
-    if not _is_plain_batchnorm(module, walk.sync_class):
-        converter = converter_for(type(module))
+    # a registered converter wins, also for a class with BatchNorm's own forward
+    converter = _registered_converter(type(module))
+    if converter is None and not _is_plain_batchnorm(module, walk.sync_class):
+        converter = converter_for(type(module))  # may load an entry point
         if converter is None:
             walk.unconverted.append(described)
             return module

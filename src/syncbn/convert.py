@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -125,10 +127,20 @@ def _plain_twin(layer: SyncBatchNorm, path: str) -> nn.Module:
         ) from error
 
 
-def _revert(module: nn.Module, path: str) -> nn.Module:
-    result = _plain_twin(module, path) if isinstance(module, SyncBatchNorm) else module
+def _keeps_own_forward(layer: SyncBatchNorm) -> bool:
+    """Built directly from a subclass whose ``forward`` adds to SyncBatchNorm's."""
+    return layer._original_class is None and type(layer).forward is not SyncBatchNorm.forward
+
+
+def _revert(module: nn.Module, path: str, kept: list[str]) -> nn.Module:
+    result = module
+    if isinstance(module, SyncBatchNorm):
+        if _keeps_own_forward(module):
+            kept.append(f"'{path or type(module).__name__}' ({type(module).__qualname__})")
+        else:
+            result = _plain_twin(module, path)
     for name, child in module.named_children():
-        result.add_module(name, _revert(child, f"{path}.{name}" if path else name))
+        result.add_module(name, _revert(child, f"{path}.{name}" if path else name, kept))
     return result
 
 
@@ -140,9 +152,10 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     through its converter's ``to_plain``), whether or not it saw an input since. A
     SyncBatchNorm built directly becomes ``BatchNorm1d``, ``2d`` or ``3d`` according
     to the rank of the last input it saw (2 or 3 dims, 4, 5), or :class:`BatchNormNd`
-    if it never saw an input. The new layer shares the Parameters and buffers, so
-    ``state_dict`` is identical before and after; training mode and the other settings
-    are kept.
+    if it never saw an input; a subclass built directly whose ``forward`` adds to
+    SyncBatchNorm's is left as it is, with a warning. The new layer shares the
+    Parameters and buffers, so ``state_dict`` is identical before and after; training
+    mode and the other settings are kept.
 
     Args:
         module: the model (or a single SyncBatchNorm layer) to revert.
@@ -159,4 +172,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
         >>> model = syncbn.revert_sync_batchnorm(model)  # e.g. before export
     """
-    return _revert(module, "")
+    kept: list[str] = []
+    result = _revert(module, "", kept)
+    if kept:
+        warnings.warn(
+            f"revert_sync_batchnorm left {len(kept)} layer(s) synchronized: {', '.join(kept)}. "
+            "Their class overrides forward() and they were built directly, not converted, so "
+            "no plain BatchNorm class is known that keeps what that forward adds.",
+            stacklevel=2,
+        )
+    return result
