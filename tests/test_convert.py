@@ -368,7 +368,8 @@ def test_unmaterialised_lazy_batchnorm_without_parameters_is_left_too(
     assert isinstance(model[0], nn.LazyBatchNorm2d)
     if kwargs.get("track_running_stats", True):  # lazy buffers: their size comes from an input
         model(torch.randn(2, 4, 3, 3))  # materialises as BatchNorm2d, which then converts
-        assert syncbn.convert_sync_batchnorm(model)[0].num_features == 4
+        syncbn.convert_sync_batchnorm(model)
+        assert isinstance(model[0], syncbn.SyncBatchNorm) and model[0].num_features == 4
 
 
 class ConstructedBatchNorm2d(nn.BatchNorm2d):
@@ -389,10 +390,13 @@ def test_a_registered_converter_is_used_for_a_class_with_batchnorm_forward() -> 
 
     def to_plain(layer: syncbn.SyncBatchNorm) -> ConstructedBatchNorm2d:
         calls.append("to_plain")
-        return _conversion.share_state(layer, ConstructedBatchNorm2d(layer.num_features))
+        plain = ConstructedBatchNorm2d(layer.num_features)
+        _conversion.share_state(layer, plain)
+        return plain
 
     syncbn.register_converter(ConstructedBatchNorm2d, to_sync, to_plain)
-    model = syncbn.convert_sync_batchnorm(nn.Sequential(ConstructedBatchNorm2d(3)))
+    model = nn.Sequential(ConstructedBatchNorm2d(3))
+    syncbn.convert_sync_batchnorm(model)
     assert type(model[0]) is syncbn.SyncBatchNorm and model[0].eps == 1e-3
     syncbn.revert_sync_batchnorm(model)
     assert type(model[0]) is ConstructedBatchNorm2d and calls == ["to_sync", "to_plain"]
