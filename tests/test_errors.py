@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +27,36 @@ def test_local_errors_are_worded_like_torch() -> None:
         bn(torch.randn(1, 3))
     with pytest.raises(ValueError, match=r"expected at least 2D input \(got 0D input\)"):
         syncbn.sync_batch_norm(torch.tensor(1.0), None, None, training=True)
+
+
+def test_check_mode_is_validated_when_set() -> None:
+    """Before, a bad value raised only inside a training call, locally, before the error flag
+    could reach the other ranks."""
+    bn = syncbn.SyncBatchNorm(3)
+    with pytest.raises(ValueError, match=r"check_mode must be one of .*got 'later'"):
+        bn.check_mode = "later"
+    assert bn.check_mode == "auto"
+    bn.check_mode = "deferred"
+    assert pickle.loads(pickle.dumps(bn)).check_mode == "deferred"
+
+
+def _functional_momentum_none(rank: int, world_size: int) -> tuple[str, str]:
+    x = torch.randn(2 + rank, 3)
+    momentum: Any = None
+    return outcome(
+        lambda: syncbn.sync_batch_norm(
+            x, torch.zeros(3), torch.ones(3), training=True, momentum=momentum
+        )
+    )
+
+
+def test_functional_momentum_none_raises_like_torch_at_any_world_size(pool2: WorkerPool) -> None:
+    """Before, 2 ranks silently left the running statistics alone, 1 rank raised TypeError."""
+    expected = ("TypeError", "sync_batch_norm(): argument 'momentum' must be float, not NoneType")
+    assert pool2.run(_functional_momentum_none) == [expected] * 2
+    x = torch.randn(2, 3)
+    with pytest.raises(TypeError, match=r"argument 'momentum' must be float, not NoneType"):
+        syncbn.sync_batch_norm(x, None, None, training=True, momentum=None)  # type: ignore[arg-type]
 
 
 def _global_count_too_small(rank: int, world_size: int, shape: tuple[int, ...]) -> tuple[str, str]:

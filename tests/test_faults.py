@@ -277,14 +277,14 @@ def _deferred_problems(rank: int, world_size: int, problem: str) -> dict[str, An
         layer.check_mode = "deferred"
     x = torch.randn(4, 3)
     first(x), second(x)  # a good step
-    before = {k: v.clone() for k, v in first.state_dict().items()}
+    model = nn.ModuleDict({"first": first, "second": second})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     if problem == "order":
         bad = outcome(lambda: (second if rank % 2 else first)(x))
     else:  # a global count of one
         bad = outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
-    moved = {
-        k: not torch.equal(v, before[k]) for k, v in first.state_dict().items() if "running" in k
-    }
+    # running statistics and num_batches_tracked (which moved before the fix) of both layers
+    moved = {k: not torch.equal(v, before[k]) for k, v in model.state_dict().items()}
     later = outcome(lambda: first(x))  # the next call surfaces it, on every rank
     return {"bad": bad, "moved": moved, "later": later}
 

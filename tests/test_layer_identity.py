@@ -152,13 +152,24 @@ def test_identity_is_construction_order_and_survives_copies() -> None:
 def test_layers_pickled_by_version_0_1_load() -> None:
     layer = syncbn.SyncBatchNorm(3)
     state = dict(vars(layer))
-    # 0.1 kept layer_name as a plain attribute and had no check_mode or construction index
+    # 0.1 kept layer_name as a plain attribute and had no check_mode, construction index or
+    # record of the class a converted layer replaced
     state["layer_name"] = state.pop("_layer_name")
-    for key in ("check_mode", "_construction_index", "_sync_alone"):
+    for key in ("_check_mode", "_construction_index", "_sync_alone", "_original_class"):
         del state[key]
     state["layer_name"] = "block.bn"
     old = syncbn.SyncBatchNorm.__new__(syncbn.SyncBatchNorm)
     old.__setstate__(state)
     assert old.layer_name == "block.bn" and old.layer_identity == "block.bn"
     assert old.check_mode == "auto" and old._site_key != layer._site_key
+    assert type(syncbn.revert_sync_batchnorm(old)) is syncbn.BatchNormNd
     torch.testing.assert_close(old(torch.randn(4, 3)).mean(0), torch.zeros(3), atol=1e-6, rtol=0)
+
+
+def test_layers_pickled_with_check_mode_as_a_plain_attribute_load() -> None:
+    state = dict(vars(syncbn.SyncBatchNorm(3)))
+    state["check_mode"] = state.pop("_check_mode")  # before check_mode was validated
+    state["check_mode"] = "deferred"
+    old = syncbn.SyncBatchNorm.__new__(syncbn.SyncBatchNorm)
+    old.__setstate__(state)
+    assert old.check_mode == "deferred" and "check_mode" not in vars(old)

@@ -225,10 +225,11 @@ def forward_train(
     # where the layer's parameters live, and so the other ranks' buffers
     per_channel = first_given(weight, bias, running_mean, running_var)
     device = input.device if per_channel is None else per_channel.device
-    mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     num_channels = options.layer.num_features
     kernels = kernels_for(input.device)
+    mode = "immediate"  # until resolved: the error path below needs no mode
     try:
+        mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
         if mode == "deferred":
             _protocol.raise_deferred()  # a problem of an earlier call, now arrived
         problem = input_problem(input, num_channels, device)
@@ -245,6 +246,7 @@ def forward_train(
     buffer = options.reducer.all_reduce(buffer, "forward")
 
     check = options.header_check("forward", tuple(input.shape))
+    ok: torch.Tensor | None = None  # deferred checks: 1 where this call's checks pass
     count: int | torch.Tensor
     factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
     if mode == "immediate":
@@ -268,7 +270,8 @@ def forward_train(
     if not is_recomputing():  # a checkpointed forward already updated them
         _stats.update_running_stats(running_mean, running_var, mean, var, count, factor)
         if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
+            # a deferred check that fails counts no batch either (ok is 0 then)
+            num_batches_tracked.add_(1 if ok is None else ok.to(num_batches_tracked.dtype))
     return ForwardResult(output, saved, count)
 
 

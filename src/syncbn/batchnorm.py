@@ -19,7 +19,7 @@ from syncbn._autograd import (
     is_recomputing,
     sync_batch_norm_train,
 )
-from syncbn._protocol import fingerprint
+from syncbn._protocol import CHECK_MODES, fingerprint
 
 __all__ = ["SyncBatchNorm"]
 
@@ -146,13 +146,26 @@ class SyncBatchNorm(_BatchNorm):
         if "layer_name" in state:  # pickled by syncbn 0.1, where it was a plain attribute
             state["_layer_name"] = state.pop("layer_name")
         state.setdefault("_layer_name", "")
-        state.setdefault("check_mode", "auto")
+        if "check_mode" in state:  # a plain attribute before it was validated
+            state["_check_mode"] = state.pop("check_mode")
+        state.setdefault("_check_mode", "auto")
         state.setdefault("_sync_alone", False)
         state.setdefault("_original_class", None)
         if "_construction_index" not in state:
             state["_construction_index"] = next(_construction_order)
         super().__setstate__(state)
         self._site_key = _compiled.register_site(self)
+
+    @property
+    def check_mode(self) -> str:
+        """When the checks carried by each collective run (see the class docstring)."""
+        return self._check_mode
+
+    @check_mode.setter
+    def check_mode(self, mode: str) -> None:
+        if mode not in CHECK_MODES:
+            raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
+        self._check_mode = mode
 
     @property
     def layer_name(self) -> str:

@@ -68,6 +68,11 @@ def sync_batch_norm(
         >>> mean, var = torch.zeros(3), torch.ones(3)
         >>> y = sync_batch_norm(x, mean, var, training=True)
     """
+    if not isinstance(momentum, (float, int)):
+        # as F.batch_norm says it; a cumulative average needs num_batches_tracked (the module)
+        raise TypeError(
+            f"sync_batch_norm(): argument 'momentum' must be float, not {type(momentum).__name__}"
+        )
     world_size = distributed.get_world_size(process_group) if training else 1
     per_channel = first_given(weight, bias, running_mean, running_var)
     if world_size <= 1:
