@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from _harness import WorkerPool, outcome
 from torch import nn
@@ -173,3 +174,22 @@ def test_layers_pickled_with_check_mode_as_a_plain_attribute_load() -> None:
     old = syncbn.SyncBatchNorm.__new__(syncbn.SyncBatchNorm)
     old.__setstate__(state)
     assert old.check_mode == "deferred" and "check_mode" not in vars(old)
+
+
+def _deepcopy_with_group(rank: int, world_size: int) -> dict[str, Any]:
+    group = dist.new_group(list(range(world_size)))
+    model = nn.Sequential(nn.BatchNorm1d(3))
+    syncbn.convert_sync_batchnorm(model, group)
+    copied = copy.deepcopy(model)  # torch.nn.SyncBatchNorm raises: a group cannot be pickled
+    layer = copied[0]
+    assert isinstance(layer, syncbn.SyncBatchNorm)
+    x = torch.full((2, 3), float(rank))  # global mean 0.5, local means 0 and 1
+    copied(x)
+    assert layer.running_mean is not None
+    return {"shared": layer.process_group is group, "mean": layer.running_mean.clone()}
+
+
+def test_a_deep_copy_shares_the_process_group(pool2: WorkerPool) -> None:
+    for result in pool2.run(_deepcopy_with_group):
+        assert result["shared"]
+        torch.testing.assert_close(result["mean"], torch.full((3,), 0.05))  # momentum 0.1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -138,6 +139,19 @@ class SyncBatchNorm(_BatchNorm):
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
         self._sync_alone = False
         self._site_key = _compiled.register_site(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        """The default deep copy, except that the copy shares the process group.
+
+        A process group cannot be copied (torch.nn.SyncBatchNorm's deep copy raises there);
+        the copy synchronizes over the same ranks, as a copy of a model should.
+        """
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: a new object needs its own key for the compiled ops
