@@ -29,10 +29,12 @@ __all__ = ["SyncBatchNormPlugin"]
 class SyncBatchNormPlugin(LayerSync):
     r"""Lightning ``LayerSync`` plugin: BatchNorm layers become :class:`syncbn.SyncBatchNorm`.
 
-    The strategy (``"ddp"``, ``"ddp_spawn"``, FSDP) calls :meth:`apply` on the
+    The strategy (tested: ``"ddp"``, ``"ddp_spawn"``) calls :meth:`apply` on the
     ``LightningModule`` when fitting starts, after the process group exists, and
-    :meth:`revert` when fitting ends, so the module leaves ``Trainer.fit`` with the
-    BatchNorm classes it came with. Use it instead of ``sync_batchnorm=True`` (Lightning
+    :meth:`revert` when fitting ends, so converted layers leave ``Trainer.fit`` with the
+    BatchNorm classes they came with. :meth:`revert` reverts every SyncBatchNorm layer,
+    also one that the module itself built (as Lightning's own plugin does with
+    ``torch.nn.SyncBatchNorm``). Use it instead of ``sync_batchnorm=True`` (Lightning
     refuses both at once). With one process it changes nothing that the layers compute.
 
     Args:
