@@ -11,6 +11,8 @@ from typing import cast
 
 import pytest
 import torch
+import torch.fx
+from _harness import WorkerPool
 from torch import nn
 
 import syncbn
@@ -409,3 +411,43 @@ def test_revert_leaves_a_directly_built_subclass_with_its_own_forward() -> None:
     with pytest.warns(UserWarning, match=r"left 1 layer\(s\) synchronized: '0' \(SyncAct\)"):
         syncbn.revert_sync_batchnorm(model)
     assert [type(m) for m in model] == [SyncAct, nn.BatchNorm2d]
+
+
+def _fx_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+    syncbn.convert_sync_batchnorm(model)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_fx_traces_a_converted_model_with_the_layers_as_leaves(mode: str) -> None:
+    """Before, FX traced into the layers and failed on their shape checks (TraceError), so
+    torchvision's create_feature_extractor failed on converted models."""
+    model = getattr(_fx_model(), mode)()
+    traced = torch.fx.symbolic_trace(copy.deepcopy(model))
+    calls = [n.target for n in traced.graph.nodes if n.op == "call_module"]
+    assert calls == ["0", "1", "2", "3"]  # one node per layer, as for torch.nn layers
+    assert type(traced.get_submodule("1")) is syncbn.SyncBatchNorm
+    assert traced.state_dict().keys() == model.state_dict().keys()
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(traced(x), model(x))  # the mode of run time, not of tracing
+    traced.train(mode == "eval")
+    model.train(mode == "eval")
+    torch.testing.assert_close(traced(x), model(x))
+    torch.testing.assert_close(traced.state_dict(), model.state_dict())
+
+
+def _fx_traced_training(rank: int, world_size: int) -> torch.Tensor:
+    traced = torch.fx.symbolic_trace(_fx_model().train())
+    traced(torch.full((1 + rank, 3, 2, 2), float(rank)))  # a leaf still synchronizes
+    layer = traced.get_submodule("1")
+    assert isinstance(layer, syncbn.SyncBatchNorm) and layer.running_mean is not None
+    return layer.running_mean.clone()
+
+
+def test_an_fx_traced_model_still_synchronizes(pool2: WorkerPool) -> None:
+    eager = _fx_model().train()
+    eager(torch.cat([torch.full((1 + r, 3, 2, 2), float(r)) for r in range(2)]))
+    for running_mean in pool2.run(_fx_traced_training):
+        torch.testing.assert_close(running_mean, eager[1].running_mean)

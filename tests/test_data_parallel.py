@@ -18,6 +18,7 @@ from typing import Any, TypedDict, cast
 
 import pytest
 import torch
+import torch.fx
 from _gold import Case, Tolerance, reference
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -525,3 +526,14 @@ def test_two_cuda_devices_match_batchnorm_on_whole_batch() -> None:
         model.zero_grad()
         expected_model.zero_grad()
     torch.testing.assert_close(model.module.state_dict(), expected_model.state_dict(), **TOL)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_fx_keeps_the_layers_as_leaves(mode: str) -> None:
+    torch.manual_seed(0)
+    model = getattr(nn.Sequential(nn.Conv2d(3, 4, 1), SynchronizedBatchNorm2d(4)), mode)()
+    traced = torch.fx.symbolic_trace(copy.deepcopy(model))
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["0", "1"]
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(traced(x), model(x))
+    torch.testing.assert_close(traced.state_dict(), model.state_dict())

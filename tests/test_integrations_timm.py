@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx
 from _harness import WorkerPool
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -281,3 +282,20 @@ def test_gold_timm_models_on_two_uneven_ranks(pool2: WorkerPool, name: str) -> N
     counts = pool2.run(_gold_rank, name, timeout=90)
     assert counts[0] == counts[1] == {"norm layers": MODELS[name], "synchronized": MODELS[name]}
     print(f"{name} | {counts[0]['norm layers']} | {counts[0]['synchronized']}")
+
+
+def test_torch_fx_and_feature_extraction_keep_the_layers_as_leaves() -> None:
+    """torchvision's create_feature_extractor traces with torch.fx; it failed on converted
+    models while FX traced into the layers."""
+    feature_extraction = pytest.importorskip("torchvision.models.feature_extraction")
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False).eval()
+    syncbn.convert_sync_batchnorm(model)
+    extractor = feature_extraction.create_feature_extractor(model, {"blocks.1": "features"})
+    x = torch.randn(2, 3, 32, 32)
+    expected = model.blocks[1](model.blocks[0](model.bn1(model.conv_stem(x))))
+    torch.testing.assert_close(extractor(x)["features"], expected)
+    layer = nn.Sequential(SyncBatchNormAct2d(3, act_layer="silu")).eval()
+    traced = torch.fx.symbolic_trace(layer)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["0"]
+    y = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(traced(y), layer(y))

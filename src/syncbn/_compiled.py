@@ -27,11 +27,18 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.fx
 
 from syncbn._autograd import TrainOptions, backward_train, first_given, forward_train
 from syncbn._stats import stat_dtype
 
-__all__ = ["SyncSite", "is_compiling", "register_site", "sync_batch_norm_train"]
+__all__ = [
+    "SyncSite",
+    "is_compiling",
+    "leaf_call_when_fx_traced",
+    "register_site",
+    "sync_batch_norm_train",
+]
 
 
 class SyncSite(Protocol):
@@ -72,6 +79,22 @@ def is_compiling() -> bool:
     """True while dynamo traces (the check itself is traceable)."""
     check = getattr(torch.compiler, "is_compiling", None)
     return bool(check()) if check is not None else False
+
+
+def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any) -> Any:
+    """Under ``torch.fx`` symbolic tracing, the call of ``module`` as one graph node; else None.
+
+    torch.fx keeps ``torch.nn`` layers as single ``call_module`` nodes (leaves) and traces
+    into every other module. Traced into, a synchronized layer's Python branches on the
+    input's shape and mode fail on proxies, and whatever mode the layer was traced in would
+    be baked into the graph. So the layer records itself as one ``call_module`` node, as
+    ``torch.nn.BatchNorm2d`` is recorded: the traced graph calls the real layer at run time
+    (``torchvision``'s feature extraction and FX quantization trace models this way).
+    """
+    if not isinstance(input, torch.fx.Proxy) or not isinstance(input.tracer, torch.fx.Tracer):
+        return None
+    tracer = input.tracer
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), (input,), {})
 
 
 def _forward(

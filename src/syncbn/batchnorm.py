@@ -231,6 +231,9 @@ class SyncBatchNorm(_BatchNorm):
         return self._train_options(self._layer_info(None))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        traced = _compiled.leaf_call_when_fx_traced(self, input)
+        if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
+            return traced  # type: ignore[no-any-return]
         if not _compiled.is_compiling():  # a side effect dynamo refuses inside checkpointing
             self.last_input_dim = input.dim()
         if not self.training:

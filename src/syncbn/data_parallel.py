@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
+from syncbn._compiled import leaf_call_when_fx_traced
 from syncbn._conversion import batchnorm_twin
 
 __all__ = [
@@ -252,6 +253,9 @@ class _SynchronizedBatchNorm(_BatchNorm):
         return input_problem(input, self.num_features, layer_kind=type(self).__name__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        traced = leaf_call_when_fx_traced(self, input)
+        if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
+            return traced  # type: ignore[no-any-return]
         rendezvous = self._replica_sync
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
             # Not a replica among several, or not training: exactly torch's BatchNorm.

@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - only without timm
     ) from error
 
 import syncbn
+from syncbn._compiled import leaf_call_when_fx_traced
 from syncbn.batchnorm import SyncBatchNorm
 from syncbn.convert import batchnorm_twin
 
@@ -124,6 +125,9 @@ class SyncBatchNormAct2d(SyncBatchNorm):
         self.act: nn.Module = nn.Identity() if act is None else act
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        traced = leaf_call_when_fx_traced(self, input)
+        if traced is not None:  # torch.fx.symbolic_trace: one node, as timm's layer is
+            return traced  # type: ignore[no-any-return]
         if input.dim() != 4:
             raise ValueError(f"expected 4D input (got {input.dim()}D input)")
         return self.act(self.drop(super().forward(input)))
