@@ -19,7 +19,7 @@ from _harness import WorkerPool
 
 import syncbn
 from syncbn import _cli as cli
-from syncbn._cli import bench, measure
+from syncbn._cli import bench, launch, measure
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -88,6 +88,41 @@ def test_bench_writes_sane_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_bench_rejects_bad_shapes(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="expected a shape like"):
         bench.parse_shape(text)
+
+
+@pytest.mark.parametrize("text", ["1x4", "1x4x1x1"])
+def test_bench_rejects_shapes_with_one_value_per_channel(text: str) -> None:
+    """Before, they passed and the BatchNorm baseline then failed in a rank (a traceback)."""
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 2 values per channel"):
+        bench.parse_shape(text)
+    assert bench.parse_shape("1x4x2") == (1, 4, 2)
+
+
+def test_bench_checks_json_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, an unwritable --json failed with a traceback after the whole benchmark."""
+
+    def no_ranks(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("measured before checking --json")
+
+    monkeypatch.setattr(launch, "run_on_ranks", no_ranks)
+    assert _run_bench(["--json", str(tmp_path)]) == 2
+    assert "argument --json: " in capsys.readouterr().err
+    assert _run_bench(["--json", str(tmp_path / "missing" / "out.json")]) == 2
+    assert "is not a writable folder" in capsys.readouterr().err
+
+
+def test_bench_reports_a_failed_rank_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise launch.RankError(1, launch.Outcome("error", "Traceback ...\nOSError: disk full"))
+
+    monkeypatch.setattr(launch, "run_on_ranks", failing)
+    assert _run_bench(["--shapes", "2x4"]) == 1
+    err = capsys.readouterr().err
+    assert err == "syncbn bench: error: rank 1 failed (OSError: disk full); stopped every rank\n"
 
 
 @pytest.mark.parametrize(

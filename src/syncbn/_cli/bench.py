@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
     """Parse an input shape written like ``2x64x56x56``.
 
     Raises:
-        argparse.ArgumentTypeError: unless it has at least 2 positive dimensions.
+        argparse.ArgumentTypeError: unless it has at least 2 positive dimensions and at
+            least 2 values per channel.
     """
     try:
         shape = tuple(int(part) for part in text.lower().split("x"))
@@ -37,6 +40,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if len(shape) < 2 or min(shape) < 1:
         raise argparse.ArgumentTypeError(
             f"expected a shape like 2x64x56x56 with at least 2 positive dims, got {text!r}"
+        )
+    values_per_channel = shape[0] * math.prod(shape[2:])
+    if values_per_channel < 2:  # the BatchNorm baseline cannot train on one value
+        raise argparse.ArgumentTypeError(
+            f"expected at least 2 values per channel (N times the spatial size), got {text!r}"
         )
     return shape
 
@@ -170,6 +178,17 @@ def _bench_rank(
     return rows
 
 
+def _check_writable(path: str) -> None:
+    """Raise a usage error unless a file can be written at ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise argparse.ArgumentError(None, f"argument --json: '{path}' is a directory")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentError(
+            None, f"argument --json: cannot write '{path}': '{folder}' is not a writable folder"
+        )
+
+
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
@@ -182,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from syncbn._cli.launch import run_on_ranks
+    from syncbn._cli.launch import RankError, run_on_ranks
     from syncbn._cli.measure import machine_info
 
     device_type = args.device
@@ -193,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
             f"{args.world_size} ranks but {torch.cuda.device_count()} GPU(s) visible; use "
             "--device cpu, or as many GPUs as --world-size",
         )
+    if args.json:
+        _check_writable(args.json)  # before minutes of measuring, not after
     backend = "nccl" if device_type == "cuda" else "gloo"
     shapes = [tuple(shape) for shape in args.shapes]
     info = machine_info()
@@ -200,16 +221,20 @@ def run(args: argparse.Namespace) -> int:
         f"syncbn bench: {args.world_size} {backend} ranks on {device_type}, one thread each, "
         f"torch {info['torch']}, forward+backward, float32, medians in ms"
     )
-    results = run_on_ranks(
-        _bench_rank,
-        args.world_size,
-        shapes,
-        args.repeats,
-        args.min_time,
-        device_type,
-        backend=backend,
-        timeout=TIMEOUT,
-    )
+    try:
+        results = run_on_ranks(
+            _bench_rank,
+            args.world_size,
+            shapes,
+            args.repeats,
+            args.min_time,
+            device_type,
+            backend=backend,
+            timeout=TIMEOUT,
+        )
+    except RankError as error:
+        print(f"syncbn bench: error: {error}; stopped every rank", file=sys.stderr)
+        return 1
     rows = results[0]
     for index, row in enumerate(rows):  # every rank counted the bytes it sent itself
         for phase in ("forward", "backward"):
