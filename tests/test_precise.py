@@ -53,21 +53,7 @@ def _reference(world_size: int) -> dict[str, torch.Tensor]:
     statistics (BatchNorm in training mode), pooled: population mean, unbiased variance."""
     model = _model(sync=False).train()
     model[5].eval()  # dropout as in the ranks' model (eval there)
-    inputs: dict[int, list[torch.Tensor]] = {1: [], 4: []}
-    for index in inputs:
-        model[index].register_forward_pre_hook(
-            lambda module, args, index=index: inputs[index].append(args[0])
-        )
-    with torch.no_grad():
-        for rank in range(world_size):
-            for batch in _batches(rank):
-                if len(batch):
-                    model(batch)
-    stats = {}
-    for index, seen in inputs.items():
-        var, mean = torch.var_mean(torch.cat(seen), dim=(0, 2, 3), correction=1)
-        stats[f"{index}.running_mean"], stats[f"{index}.running_var"] = mean, var
-    return stats
+    return _population(model, [b for rank in range(world_size) for b in _batches(rank)])
 
 
 def test_recompute_statistics_is_the_population_over_all_ranks(pool: WorkerPool) -> None:
@@ -142,8 +128,7 @@ def _layers_model(untracked: bool) -> nn.Sequential:
 
 def _population(model: nn.Sequential, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """What precise BN must give: each tracked layer's inputs over all batches, each batch run
-    through the model in training mode (plain BatchNorm semantics, no process group)."""
-    model.train()
+    through ``model`` as it is (training mode: plain BatchNorm semantics, no process group)."""
     inputs: dict[int, list[torch.Tensor]] = {}
     for index, layer in enumerate(model):
         if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats:
@@ -153,7 +138,8 @@ def _population(model: nn.Sequential, batches: list[torch.Tensor]) -> dict[str, 
             )
     with torch.no_grad():
         for batch in batches:
-            model(batch)
+            if len(batch):  # BatchNorm in training mode cannot run an empty batch
+                model(batch)
     stats = {}
     for index, seen in inputs.items():
         var, mean = torch.var_mean(torch.cat(seen), dim=(0, 2, 3), correction=1)
@@ -173,7 +159,7 @@ def test_subclasses_with_their_own_forward_keep_it() -> None:
     batches = _offset_batches(0) + _offset_batches(1)
     model = _layers_model(untracked=False).eval()
     syncbn.recompute_statistics(model, batches)
-    expected = _population(_layers_model(untracked=False), batches)
+    expected = _population(_layers_model(untracked=False).train(), batches)
     assert expected.keys() == {f"{i}.running_{s}" for i in (0, 2, 3) for s in ("mean", "var")}
     for key, value in expected.items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-10, atol=1e-12)
@@ -192,7 +178,7 @@ def test_a_layer_without_running_statistics_does_not_communicate(pool2: WorkerPo
     so ranks passing different numbers of batches crashed in a mismatched collective."""
     batches = [b for rank in range(pool2.world_size) for b in _offset_batches(rank)]
     # the untracked layer normalizes each batch with that batch's local statistics
-    expected = _population(_layers_model(untracked=True), batches)
+    expected = _population(_layers_model(untracked=True).train(), batches)
     for state in pool2.run(_untracked_sync_layer):
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12)
