@@ -182,3 +182,21 @@ def test_a_layer_without_running_statistics_does_not_communicate(pool2: WorkerPo
     for state in pool2.run(_untracked_sync_layer):
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12)
+
+
+class _KeywordCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(input=x)
+
+
+def test_a_layer_called_with_a_keyword_input() -> None:
+    model = _KeywordCall()
+    batches = [torch.randn(4, 3, dtype=torch.float64) + 2 for _ in range(3)]
+    syncbn.recompute_statistics(model, batches)
+    var, mean = torch.var_mean(torch.cat(batches), dim=0, correction=1)
+    torch.testing.assert_close(model.bn.running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.bn.running_var, var, rtol=1e-12, atol=1e-12)

@@ -29,7 +29,7 @@ class _LayerState(NamedTuple):
 
 def _record_moments(
     layer: _BatchNorm, sums: dict[int, torch.Tensor]
-) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """A forward pre-hook that adds the moments of ``layer``'s input to ``sums`` and loads the
     batch's own mean and variance into its running statistics, which the layer, in eval mode,
     then normalizes with: the output of training mode, without communicating and without
@@ -37,8 +37,8 @@ def _record_moments(
     the moments summed over all batches and ranks matter.
     """
 
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        input = args[0]
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        input = args[0] if args else kwargs["input"]
         layer._check_input_dim(input)
         count = input.numel() // input.shape[1]
         moments = kernels_for(input.device).local_moments(input)
@@ -71,7 +71,10 @@ def _collecting_moments(
         )
         for layer in layers
     }
-    hooks = [layer.register_forward_pre_hook(_record_moments(layer, sums)) for layer in tracked]
+    hooks = [
+        layer.register_forward_pre_hook(_record_moments(layer, sums), with_kwargs=True)
+        for layer in tracked
+    ]
     for layer in layers:
         layer.training = False  # the layer alone: its children (act, drop) keep their mode
     try:
