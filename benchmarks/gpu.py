@@ -1,7 +1,8 @@
 """GPU benchmarks: syncbn against cuDNN BatchNorm and torch.nn.SyncBatchNorm, eager and graphed.
 
 Needs a CUDA GPU (and torchvision for the resnet50 step). Writes ``gpu.md`` and ``gpu.json``
-beside this file. Three parts, each in its own processes:
+beside this file (or into ``--out``) after every part; a part that fails is recorded as an
+error and the others still run (exit code 1 then). Three parts, each in its own processes:
 
 - ``layers``: forward+backward of one layer at the BatchNorm shapes of ResNet-50 at batch
   32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
@@ -21,6 +22,7 @@ Usage::
 
     python benchmarks/gpu.py                     # all parts, ~5 min on an H100
     python benchmarks/gpu.py --parts layers step --quick
+    python benchmarks/gpu.py --parts step --out "$OUT"   # one part per command, kept in $OUT
 """
 
 from __future__ import annotations
@@ -214,6 +216,9 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     return results
 
 
+PARTS = ("layers", "step", "ranks")
+
+
 def _render(results: dict[str, Any]) -> str:
     info = results["machine"]
     lines = [
@@ -223,7 +228,10 @@ def _render(results: dict[str, Any]) -> str:
         f"{info['torch']}. Sync paths forced at nccl world size 1 (see the script).",
         "",
     ]
-    if "layers" in results:
+    for part in PARTS:
+        if isinstance(results.get(part), dict) and "error" in results[part]:
+            lines += [f"## {part}: failed", "", f"    {results[part]['error']}", ""]
+    if "layers" in results and "error" not in results["layers"]:
         lines += [
             "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
             "",
@@ -244,7 +252,7 @@ def _render(results: dict[str, Any]) -> str:
                 f"{ours / row['torch-sync']['device_ms']:.2f}x |"
             )
         lines.append("")
-    if "step" in results:
+    if "step" in results and "error" not in results["step"]:
         lines += [
             "## resnet50 training step (batch 32, bf16 autocast, channels_last, SGD)",
             "",
@@ -259,7 +267,7 @@ def _render(results: dict[str, Any]) -> str:
                 f"{graph_text} |"
             )
         lines.append("")
-    if "ranks" in results:
+    if "ranks" in results and "error" not in results["ranks"]:
         lines += [
             "## 2 ranks on one GPU through gloo (device ms per call, worst rank)",
             "",
@@ -276,24 +284,42 @@ def _render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_part(part: str, quick: bool, timeout: float) -> Any:
+    if part == "layers":
+        return run_on_ranks(_layers_rank, 1, quick, True, timeout=timeout)[0]
+    if part == "step":
+        return run_on_ranks(_step_rank, 1, quick, timeout=timeout)[0]
+    return run_on_ranks(_layers_rank, 2, True, False, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["layers", "step", "ranks"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    parser.add_argument(
+        "--out", type=Path, default=HERE, help="folder for gpu.json and gpu.md (default: here)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=500.0, help="seconds per part (default: 500)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": machine_info()}
-    if "layers" in args.parts:
-        results["layers"] = run_on_ranks(_layers_rank, 1, args.quick, True, timeout=1200)[0]
-    if "step" in args.parts:
-        results["step"] = run_on_ranks(_step_rank, 1, args.quick, timeout=1200)[0]
-    if "ranks" in args.parts:
-        results["ranks"] = run_on_ranks(_layers_rank, 2, True, False, timeout=1200)
-    (HERE / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
-    (HERE / "gpu.md").write_text(_render(results))
+    for part in args.parts:
+        # one part's failure (a missing torchvision, a crash) keeps the others' numbers
+        try:
+            results[part] = _run_part(part, args.quick, args.timeout)
+        except Exception as error:  # noqa: BLE001 - recorded in the results and reported
+            results[part] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+        # written after every part, so that a run cut short keeps what it measured
+        (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "gpu.md").write_text(_render(results))
     print(_render(results))
-    return 0
+    return 1 if any("error" in results[part] for part in args.parts) else 0
 
 
 if __name__ == "__main__":

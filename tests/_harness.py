@@ -135,7 +135,14 @@ class WorkerPool:
             self._start()
         for inbox in self._inboxes:
             inbox.put((fn, args))
-        return self._collect("ok", timeout)
+        try:
+            return self._collect("ok", timeout)
+        except BaseException:
+            # interrupted from outside (pytest-timeout, Ctrl-C): this scenario's results may
+            # still arrive, and the next scenario must not read them
+            if self._processes:
+                self.close(graceful=False)
+            raise
 
     def close(self, graceful: bool = True) -> None:
         """Stop every worker (politely if ``graceful``, else at once) and forget the group."""

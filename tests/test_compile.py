@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from _harness import WorkerPool, outcome
 from torch import nn
@@ -102,6 +103,7 @@ def _compiled_vs_eager(rank: int, world_size: int, backend: str) -> dict[str, An
 # world 2 through AOTAutograd (fake kernels, the autograd formula, the backward op); world 3
 # through dynamo only, running the captured graph eagerly: a third of the time
 @pytest.mark.parametrize("pool", [2, 3], ids=["world2-aot_eager", "world3-eager"], indirect=True)
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_compiled_training_equals_eager(pool: WorkerPool) -> None:
     backend = "aot_eager" if pool.world_size == 2 else "eager"
     for result in pool.run(_compiled_vs_eager, backend, timeout=240.0):
@@ -138,6 +140,7 @@ def _inductor_vs_eager(rank: int, world_size: int) -> dict[str, Any]:
     return {"eager": outputs[0], "compiled": outputs[1]}
 
 
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_inductor_training_step_equals_eager(pool2: WorkerPool) -> None:
     """The default backend: inductor compiles the graph around syncbn's custom ops, which keep
     the strides their fake kernels promise (needs_exact_strides)."""
@@ -146,6 +149,27 @@ def test_inductor_training_step_equals_eager(pool2: WorkerPool) -> None:
         assert eager.keys() == compiled.keys()
         for key, value in eager.items():
             torch.testing.assert_close(compiled[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def _with_explicit_group(rank: int, world_size: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    group = dist.new_group(list(range(world_size)))
+    eager = _model()
+    syncbn.convert_sync_batchnorm(eager, group)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2 + rank, 3, 8, 8, dtype=torch.float64)
+    outputs = [run(x) for run in (eager, compiled)]
+    return {"outputs": outputs, "states": [eager.state_dict(), compiled_model.state_dict()]}
+
+
+def test_a_layer_with_an_explicit_process_group_compiles(pool2: WorkerPool) -> None:
+    """Before, dynamo could not evaluate the group's isinstance check against a tuple and
+    raised 'process_group does not contain this rank' while tracing."""
+    for result in pool2.run(_with_explicit_group, timeout=120.0):
+        eager, compiled = result["outputs"]
+        torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(result["states"][1], result["states"][0], rtol=0, atol=1e-12)
 
 
 class _CheckpointedBlock(nn.Module):
@@ -168,6 +192,7 @@ def _checkpointed(rank: int, world_size: int) -> dict[str, Any]:
     return {"compiled": model.block.state_dict(), "reference": reference.state_dict()}
 
 
+@pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
 def test_checkpointed_recomputation_updates_running_stats_once(pool2: WorkerPool) -> None:
     for result in pool2.run(_checkpointed, timeout=120.0):
         for key, value in result["reference"].items():
@@ -197,6 +222,7 @@ def _errors_under_compile(rank: int, world_size: int) -> dict[str, tuple[str, st
     return outcomes
 
 
+@pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
 def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> None:
     results = pool2.run(_errors_under_compile, timeout=120.0)
     for rank, outcomes in enumerate(results):

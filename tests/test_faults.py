@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
+from syncbn import _protocol
 from syncbn._kernels import generic
 
 #: the pool's process-group timeout: a rank left waiting fails only after it
@@ -301,3 +302,23 @@ def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: st
             assert "(num_features=3, call 1)" in message  # the call where it went wrong
         else:
             assert kind == "ValueError" and "Expected more than 1 value per channel" in message
+
+
+class _EventThatMustNotBeQueried:
+    def query(self) -> bool:
+        raise AssertionError("a CUDA event was queried")
+
+
+def test_deferred_checks_wait_while_a_cuda_graph_is_captured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Querying an event during a capture invalidates it; the checks wait until after."""
+    pending = _protocol._PendingCheck(torch.zeros(5), _EventThatMustNotBeQueried(), None)  # type: ignore[arg-type]
+    monkeypatch.setattr(_protocol, "_pending", _protocol.collections.deque([pending]))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _protocol.raise_deferred()  # capturing: nothing is inspected
+    assert list(_protocol._pending) == [pending]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(AssertionError, match="a CUDA event was queried"):
+        _protocol.raise_deferred()  # after the capture it is

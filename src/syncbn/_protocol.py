@@ -335,6 +335,8 @@ def raise_deferred(wait: bool = False) -> None:
     Checks are inspected in call order; one whose copy has not finished stops the scan
     (unless ``wait``, which waits for it). Inspected checks are forgotten.
     """
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return  # querying an event would invalidate the capture; checked after it
     while _pending:
         values, ready, check = _pending[0]
         if ready is not None:

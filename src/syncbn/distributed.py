@@ -36,7 +36,8 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     """
     if not is_distributed():
         return 1
-    if not isinstance(group, (dist.ProcessGroup, type(None))):
+    # (two tests, not isinstance(group, (ProcessGroup, NoneType)): dynamo cannot evaluate that)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
         # dist.new_group() returns GroupMember.NON_GROUP_MEMBER to ranks outside the group.
         raise RuntimeError(
             f"process_group does not contain this rank (global rank {dist.get_rank()}); "

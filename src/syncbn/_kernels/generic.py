@@ -43,8 +43,8 @@ def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
 def _constants(
     num_channels: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean 0 and variance 1 (they turn batch-norm kernels into plain sums), and an empty
-    tensor for the saved statistics of an eval-mode backward (CUDA requires one)."""
+    """Mean 0 and variance (or weight) 1, which turn batch-norm kernels into plain sums, and
+    an empty tensor for the saved statistics of an eval-mode backward (CUDA requires one)."""
     zeros = torch.zeros(num_channels, dtype=dtype, device=device)
     return zeros, zeros + 1, zeros.new_empty(0)
 
@@ -86,8 +86,9 @@ def local_moments(input: torch.Tensor) -> LocalMoments:
         return LocalMoments(zeros, zeros.clone(), zeros, None)
     centered, shift = _center(input)
     zeros, ones, empty = _constants(num_channels, shift.dtype, shift.device)
+    # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
-        centered, centered, None, zeros, ones, empty, empty, False, 0.0, [False, True, True]
+        centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
     )
     shift, shifted_sum, shifted_square_sum = (
         torch.stack([shift.view(num_channels), shifted_sum, shifted_square_sum])
@@ -165,9 +166,10 @@ def backward_reduce(
     if input.numel() == 0:
         zeros = mean.new_zeros(mean.shape)
         return zeros, zeros.clone()
-    empty = _constants(mean.numel(), mean.dtype, mean.device)[2]
+    _, ones, empty = _constants(mean.numel(), mean.dtype, mean.device)
+    # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, None, mean, var, empty, empty, False, eps, [False, True, True]
+        grad_output, input, ones, mean, var, empty, empty, False, eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat
 
