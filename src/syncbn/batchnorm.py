@@ -150,7 +150,7 @@ class SyncBatchNorm(_BatchNorm):
             memo[id(self.process_group)] = self.process_group
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
