@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import pickle
 import warnings
 from collections.abc import Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import cast
 
 import pytest
 import torch
 import torch.fx
 from _harness import WorkerPool
+from _source_tree import run_without_metadata
 from torch import nn
 
 import syncbn
@@ -177,12 +180,12 @@ def test_batchnorm_nd_accepts_any_rank() -> None:
 def _fresh_registry() -> Iterator[None]:
     """Each test starts and ends with the registry it found."""
     converters = dict(_conversion._CONVERTERS)
-    loaded = set(_conversion._LOADED_ENTRY_POINTS)
+    loaded = set(_conversion._LOADED_PACKAGES)
     yield
     _conversion._CONVERTERS.clear()
     _conversion._CONVERTERS.update(converters)
-    _conversion._LOADED_ENTRY_POINTS.clear()
-    _conversion._LOADED_ENTRY_POINTS.update(loaded)
+    _conversion._LOADED_PACKAGES.clear()
+    _conversion._LOADED_PACKAGES.update(loaded)
 
 
 def test_revert_restores_the_class_each_layer_replaced() -> None:
@@ -354,6 +357,91 @@ def test_entry_points_offer_converters_for_their_package(monkeypatch: pytest.Mon
     assert [type(model[0]), type(cast(nn.Sequential, model[1])[0])] == [SyncAct, SyncAct]
     assert scans == [_conversion.ENTRY_POINT_GROUP]  # scanned once, loaded once
     assert _register_act_converter.calls == 1  # type: ignore[attr-defined]
+
+
+def _register_other_converter() -> None:
+    """A third party's entry point for the same package: only counted."""
+    _register_other_converter.calls += 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_built_in_converters_load_without_metadata_and_once(
+    monkeypatch: pytest.MonkeyPatch, installed: bool
+) -> None:
+    """syncbn's own converters (timm's) come from its table, not from package metadata.
+
+    ``installed``: syncbn's metadata offers the same converter as an entry point (not loaded
+    again), beside a third party's entry point for the same package (loaded)."""
+    package = BatchNormAct2d.__module__.partition(".")[0]
+    own = f"{__name__}:_register_act_converter"
+    other = f"{__name__}:_register_other_converter"
+    monkeypatch.setitem(_conversion.BUILT_IN_CONVERTERS, package, own)
+    group = _conversion.ENTRY_POINT_GROUP
+    offered = (
+        [metadata.EntryPoint(package, own, group), metadata.EntryPoint(package, other, group)]
+        if installed
+        else []
+    )
+    monkeypatch.setattr(_conversion.metadata, "entry_points", lambda group: offered)
+    _register_act_converter.calls = 0  # type: ignore[attr-defined]
+    _register_other_converter.calls = 0  # type: ignore[attr-defined]
+    model = nn.Sequential(BatchNormAct2d(2), nn.Sequential(BatchNormAct2d(2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+        syncbn.revert_sync_batchnorm(model)
+        syncbn.convert_sync_batchnorm(model)
+    assert [type(model[0]), type(cast(nn.Sequential, model[1])[0])] == [SyncAct, SyncAct]
+    assert _register_act_converter.calls == 1  # type: ignore[attr-defined]
+    assert _register_other_converter.calls == int(installed)  # type: ignore[attr-defined]
+
+
+def test_timm_converters_are_built_in_and_offered_as_the_same_entry_point() -> None:
+    value = _conversion.BUILT_IN_CONVERTERS["timm"]
+    assert value == "syncbn.integrations.timm:register_converters"
+    # the module is in the package (found without importing it: it imports timm)
+    assert importlib.util.find_spec(value.partition(":")[0]) is not None
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    section = pyproject.split('[project.entry-points."syncbn.converters"]\n')[1].split("\n[")[0]
+    assert f'timm = "{value}"' in section.splitlines()
+
+
+_WITHOUT_METADATA = """
+import importlib.util, os, warnings
+from torch import nn
+import syncbn
+from syncbn import _conversion
+
+for value in _conversion.BUILT_IN_CONVERTERS.values():  # their modules are in the tree
+    origin = importlib.util.find_spec(value.partition(":")[0]).origin
+    assert origin.startswith(os.path.dirname(syncbn.__file__)), origin
+
+class BatchNormAct(nn.BatchNorm2d):  # of package __main__, which the table gets below
+    def forward(self, input):
+        return super().forward(input).relu()
+
+class SyncBatchNormAct(syncbn.SyncBatchNorm):
+    def forward(self, input):
+        return super().forward(input).relu()
+
+def register():
+    syncbn.register_converter(
+        BatchNormAct, lambda m: _conversion.batchnorm_twin(m, SyncBatchNormAct)
+    )
+
+_conversion.BUILT_IN_CONVERTERS["__main__"] = "__main__:register"
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(BatchNormAct(3), nn.BatchNorm2d(3)))
+assert [type(m) for m in model] == [SyncBatchNormAct, syncbn.SyncBatchNorm], model
+print("ok")
+"""
+
+
+def test_built_in_converters_load_from_a_source_tree_without_metadata(tmp_path: Path) -> None:
+    """syncbn on PYTHONPATH from a copy of src/syncbn, never installed: no entry point
+    exists, and the built-in table still loads (timm's own: tests/test_integrations_timm.py)."""
+    assert run_without_metadata(_WITHOUT_METADATA, tmp_path).strip() == "ok"
 
 
 @pytest.mark.parametrize(

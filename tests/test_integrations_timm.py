@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from _harness import WorkerPool
+from _source_tree import run_without_metadata
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -167,6 +169,7 @@ def test_timm_sync_batchnorm_act_converts_and_reverts_to_itself() -> None:
 _FRESH_INTERPRETER = textwrap.dedent(
     """
     import sys, warnings
+    from importlib import metadata
     import torch
     from torch import nn
     import syncbn
@@ -176,24 +179,32 @@ _FRESH_INTERPRETER = textwrap.dedent(
     import syncbn.integrations.timm as integration
     from timm.layers import BatchNormAct2d
     assert BatchNormAct2d not in _conversion._CONVERTERS, "importing the integration registered"
-    # a layer built directly reverts through the converter, loaded from the entry point
+    # installed: syncbn's metadata offers the same converters as an entry point
+    offered = {e.name: e.value for e in metadata.entry_points(group="syncbn.converters")}
+    assert offered["timm"] == _conversion.BUILT_IN_CONVERTERS["timm"], offered
+    calls = []
+    register = integration.register_converters
+    integration.register_converters = lambda: calls.append(1) or register()
+    # a layer built directly reverts through the converter, loaded by syncbn itself
     layer = integration.SyncBatchNormAct2d(3, act_layer="silu")
     act = layer.act
     reverted = syncbn.revert_sync_batchnorm(layer)
     assert type(reverted) is BatchNormAct2d and reverted.act is act, reverted
-    assert BatchNormAct2d in _conversion._CONVERTERS, "revert did not load the entry point"
-    # the syncbn.converters entry point, loaded by the walk
+    assert BatchNormAct2d in _conversion._CONVERTERS, "revert did not load the converters"
+    # and the walk finds them
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         converted = syncbn.convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(3)))
     assert type(converted[0]) is integration.SyncBatchNormAct2d, converted
+    assert calls == [1], "registered more than once (built in and entry point)"
     print("ok")
     """
 )
 
 
-def test_discovered_through_the_entry_point_and_import_has_no_side_effects() -> None:
-    """In a fresh interpreter: nothing registers on import; the walk finds the converter."""
+def test_loaded_once_by_syncbn_itself_and_import_has_no_side_effects() -> None:
+    """In a fresh interpreter: nothing registers on import; the walk and revert load the
+    converters once, although the installed entry point offers them too."""
     result = subprocess.run(
         [sys.executable, "-c", _FRESH_INTERPRETER],
         capture_output=True,
@@ -201,6 +212,33 @@ def test_discovered_through_the_entry_point_and_import_has_no_side_effects() -> 
         timeout=90,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+_WITHOUT_METADATA = """
+import warnings
+import timm
+import syncbn
+from syncbn.integrations.timm import SyncBatchNormAct2d
+
+model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=5)
+before = {path: type(module) for path, module in model.named_modules()}
+acts = sum(type(m) is timm.layers.BatchNormAct2d for m in model.modules())
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an unconverted layer warns
+    syncbn.convert_sync_batchnorm(model)
+synchronized = sum(type(m) is SyncBatchNormAct2d for m in model.modules())
+assert synchronized == acts == 49, (synchronized, acts)
+syncbn.revert_sync_batchnorm(model)
+assert {path: type(module) for path, module in model.named_modules()} == before
+print("ok")
+"""
+
+
+def test_timm_converts_with_syncbn_from_a_source_tree_without_metadata(tmp_path: Path) -> None:
+    """syncbn on PYTHONPATH from a copy of src/syncbn, never installed (vendored, a monorepo):
+    no entry point exists, and all 49 BatchNormAct2d of efficientnet_b0 still convert.
+    Before syncbn loaded its own converters, they stayed plain (with a warning)."""
+    assert run_without_metadata(_WITHOUT_METADATA, tmp_path, timeout=180).strip() == "ok"
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 __all__ = [
+    "BUILT_IN_CONVERTERS",
     "Converter",
     "ENTRY_POINT_GROUP",
     "batchnorm_twin",
@@ -36,6 +37,15 @@ _BatchNormT = TypeVar("_BatchNormT", bound=_BatchNorm)
 #: subclass from that package that no converter covers yet
 ENTRY_POINT_GROUP = "syncbn.converters"
 
+#: syncbn's own converters, loaded as the entry points are (a top-level package -> the
+#: ``module:function`` that registers its converters) but without package metadata, so that
+#: they work also from a source tree on ``sys.path``. pyproject.toml offers the same values as
+#: entry points (for tools that list them); an entry point whose value is listed here is not
+#: loaded a second time.
+BUILT_IN_CONVERTERS: dict[str, str] = {
+    "timm": "syncbn.integrations.timm:register_converters",
+}
+
 
 class Converter(NamedTuple):
     """How one BatchNorm subclass becomes synchronized and back (``None``: the default twin)."""
@@ -46,8 +56,8 @@ class Converter(NamedTuple):
 
 # BatchNorm class -> its converter; filled by register_converter
 _CONVERTERS: dict[type[_BatchNorm], Converter] = {}
-# top-level packages whose entry points were already loaded
-_LOADED_ENTRY_POINTS: set[str] = set()
+# top-level packages whose converters (built in or entry points) were already loaded
+_LOADED_PACKAGES: set[str] = set()
 
 
 def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
@@ -127,13 +137,27 @@ def register_converter(
     _CONVERTERS[bn_class] = Converter(to_sync, to_plain)
 
 
-def _load_entry_points(package: str) -> None:
-    """Load the converters that installed distributions offer for ``package``, once."""
-    if package in _LOADED_ENTRY_POINTS:
+def _entry_points() -> list[metadata.EntryPoint]:
+    """The installed entry points of :data:`ENTRY_POINT_GROUP`."""
+    if sys.version_info >= (3, 10):
+        return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return list(metadata.entry_points().get(ENTRY_POINT_GROUP, ()))  # Python 3.9: a dict
+
+
+def _load_converters(package: str) -> None:
+    """Load the converters for ``package``, once: syncbn's own, then installed distributions'.
+
+    syncbn's own (:data:`BUILT_IN_CONVERTERS`) need no package metadata; an entry point with
+    the same value (syncbn's, when it is installed) is skipped, so nothing registers twice.
+    """
+    if package in _LOADED_PACKAGES:
         return
-    _LOADED_ENTRY_POINTS.add(package)
-    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name == package:
+    _LOADED_PACKAGES.add(package)
+    built_in = BUILT_IN_CONVERTERS.get(package)
+    if built_in is not None:  # loaded as an entry point is, without the metadata
+        metadata.EntryPoint(package, built_in, ENTRY_POINT_GROUP).load()()
+    for entry_point in _entry_points():
+        if entry_point.name == package and entry_point.value != built_in:
             entry_point.load()()
 
 
@@ -146,11 +170,11 @@ def _registered_converter(cls: type[nn.Module]) -> Converter | None:
 
 
 def converter_for(cls: type[nn.Module]) -> Converter | None:
-    """The converter for ``cls``, registered or offered by an entry point for its package."""
+    """The converter for ``cls``: registered, or loaded for its package (built in, entry point)."""
     converter = _registered_converter(cls)
     package = cls.__module__.partition(".")[0]
     if converter is None and package in sys.modules:
-        _load_entry_points(package)
+        _load_converters(package)
         converter = _registered_converter(cls)
     return converter
 

@@ -5,8 +5,11 @@ with ``timm.layers.BatchNormAct2d``: a ``BatchNorm2d`` subclass whose ``forward`
 dropout-like ``drop`` module and an activation ``act`` after the normalization. Converting it
 to a plain SyncBatchNorm would drop both, so :func:`syncbn.convert_sync_batchnorm` converts it
 to :class:`SyncBatchNormAct2d` instead, through the converters that :func:`register_converters`
-registers. syncbn finds that function through its ``syncbn.converters`` entry point, the first
-time a conversion meets a timm BatchNorm class: nothing needs to be imported or called by hand.
+registers. syncbn calls that function itself the first time a conversion (or a revert) meets
+a timm BatchNorm class (``syncbn._conversion.BUILT_IN_CONVERTERS``; no package metadata needed,
+so also from a source tree on ``sys.path``): nothing needs to be imported or called by hand.
+pyproject.toml offers it as the ``syncbn.converters`` entry point ``timm`` as well, for tools
+that list entry points; syncbn does not load it a second time.
 
 Importing this module imports timm and registers nothing.
 """
@@ -124,13 +127,14 @@ class SyncBatchNormAct2d(SyncBatchNorm):
             act = create_act_layer(act_layer, **{"inplace": inplace, **(act_kwargs or {})})
         self.act: nn.Module = nn.Identity() if act is None else act
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        traced = leaf_call_when_fx_traced(self, input)
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        traced = leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, as timm's layer is
             return traced  # type: ignore[no-any-return]
         if input.dim() != 4:
             raise ValueError(f"expected 4D input (got {input.dim()}D input)")
-        return self.act(self.drop(super().forward(input)))
+        # (a mask zeroes padded positions before the activation, as SyncBatchNorm's does)
+        return self.act(self.drop(super().forward(input, mask)))
 
 
 def _norm_act_to_sync(module: _BatchNorm) -> SyncBatchNormAct2d:
@@ -168,7 +172,7 @@ def register_converters() -> None:
 
     ``timm.layers.BatchNormAct2d`` and ``timm.layers.SyncBatchNormAct`` (what timm's own
     ``convert_sync_batchnorm`` makes) both convert to :class:`SyncBatchNormAct2d`, and revert
-    to their own class. syncbn calls this through its ``syncbn.converters`` entry point the
+    to their own class. syncbn calls this itself (its table of built-in converters) the
     first time a conversion meets a timm class; calling it again changes nothing.
 
     Examples::
