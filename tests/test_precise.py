@@ -112,8 +112,8 @@ class _BatchNormReLU(nn.BatchNorm2d):
 class _SyncBatchNormReLU(syncbn.SyncBatchNorm):
     """The same on top of SyncBatchNorm (like syncbn.integrations.timm.SyncBatchNormAct2d)."""
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.relu(super().forward(input))
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.relu(super().forward(input, mask))
 
 
 def _layers_model(untracked: bool) -> nn.Sequential:

@@ -13,6 +13,8 @@ and the running statistics are updated with device-side factors.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -23,7 +25,9 @@ from syncbn import _protocol, _stats, distributed
 from syncbn._kernels import kernels_for
 
 __all__ = [
+    "GlobalMoments",
     "LayerInfo",
+    "LocalReducer",
     "ProcessGroupReducer",
     "Reducer",
     "TrainOptions",
@@ -32,7 +36,13 @@ __all__ = [
     "forward_train",
     "input_problem",
     "is_recomputing",
+    "join_on_error",
     "sync_batch_norm_train",
+    "sync_moments",
+    "sync_moments_backward",
+    "sync_moments_train",
+    "reducer_for",
+    "synchronize_moments",
 ]
 
 _SAME_CALLS_RULE = (
@@ -114,6 +124,29 @@ class ProcessGroupReducer(NamedTuple):
         return distributed.all_reduce_sum_(buffer, self.group)
 
 
+class LocalReducer(NamedTuple):
+    """The :class:`Reducer` of a process alone (no process group): the sum is the buffer.
+
+    Masked calls without a process group use it, so that one code path, checks included,
+    serves one process and many.
+    """
+
+    world_size: int = 1
+    participants: str = "ranks"
+
+    def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        return buffer
+
+
+def reducer_for(group: dist.ProcessGroup | None, force: bool = False) -> Reducer:
+    """The reducer of a layer call over ``group``: local when the group has one rank (or
+    there is none), unless ``force`` (tests and benchmarks of the synchronized path)."""
+    world_size = distributed.get_world_size(group)
+    if world_size <= 1 and not force:
+        return LocalReducer()
+    return ProcessGroupReducer(group, world_size)
+
+
 class LayerInfo(NamedTuple):
     """What identifies one call of a SyncBatchNorm layer in error messages and fingerprints.
 
@@ -192,6 +225,18 @@ def _join_with_error(options: TrainOptions, phase: str, device: torch.device) ->
         pass
 
 
+@contextlib.contextmanager
+def join_on_error(options: TrainOptions, phase: str, device: torch.device) -> Iterator[None]:
+    """Run the local part of a call; on an exception, join ``phase``'s collective with the
+    error flag (so that the other ranks raise promptly instead of waiting for the process
+    group's timeout) and re-raise it."""
+    try:
+        yield
+    except Exception:
+        _join_with_error(options, phase, device)
+        raise
+
+
 class ForwardResult(NamedTuple):
     """What a training forward returns, and what its backward needs."""
 
@@ -205,6 +250,80 @@ class ForwardResult(NamedTuple):
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     """The first of a layer's per-channel tensors that is not ``None``, if any."""
     return next((tensor for tensor in tensors if tensor is not None), None)
+
+
+class GlobalMoments(NamedTuple):
+    """The global batch's statistics after a forward collective."""
+
+    #: ``(C,)`` float64: the global mean
+    mean: torch.Tensor
+    #: ``(C,)`` float64: the global biased variance
+    var: torch.Tensor
+    #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
+    global_count: int | torch.Tensor
+
+
+def _resolve_mode(options: TrainOptions, device: torch.device) -> str:
+    """This call's check mode; first raises a deferred problem of an earlier call, if any."""
+    mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
+    if mode == "deferred":
+        _protocol.raise_deferred()  # a problem of an earlier call, now arrived
+    return mode
+
+
+def synchronize_moments(
+    buffer: torch.Tensor,
+    mode: str,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+    input_size: tuple[int, ...] | None = None,
+) -> GlobalMoments:
+    """All-reduce a packed forward buffer, check it, and update the running statistics.
+
+    Args:
+        buffer: this rank's :func:`syncbn._protocol.pack_forward` buffer.
+        mode: ``"immediate"`` or ``"deferred"`` (from :func:`_resolve_mode`).
+        input_size: the local input's size, quoted by the "more than 1 value" error.
+    """
+    buffer = options.reducer.all_reduce(buffer, "forward")
+    check = options.header_check("forward", input_size)
+    ok: torch.Tensor | None = None  # deferred checks: 1 where this call's checks pass
+    count: int | torch.Tensor
+    factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
+    if mode == "immediate":
+        count = _protocol.check_now(buffer, check).global_count
+        if options.momentum is None and num_batches_tracked is not None:
+            factor = 1.0 / (float(num_batches_tracked) + 1.0)
+    else:
+        _protocol.defer_check(buffer, check)
+        count = _protocol.count_slot(buffer)
+        if options.momentum is None and num_batches_tracked is not None:
+            factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
+        # a call whose checks fail moves no running statistics
+        ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
+        factor = ok.to(torch.float64) * factor
+    mean, var = _stats.global_moments(_protocol.forward_sums(buffer), count)
+    if not is_recomputing():  # a checkpointed forward already updated them
+        _stats.update_running_stats(running_mean, running_var, mean, var, count, factor)
+        if num_batches_tracked is not None:
+            # a deferred check that fails counts no batch either (ok is 0 then)
+            num_batches_tracked.add_(1 if ok is None else ok.to(num_batches_tracked.dtype))
+    return GlobalMoments(mean, var, count)
+
+
+def _synchronize_grads(
+    buffer: torch.Tensor, options: TrainOptions, device: torch.device
+) -> torch.Tensor:
+    """All-reduce a packed backward buffer and check it; the ``(2, C)`` global sums."""
+    buffer = options.reducer.all_reduce(buffer, "backward")
+    check = options.header_check("backward")
+    if _protocol.resolve_check_mode(options.layer.check_mode, device) == "immediate":
+        _protocol.check_now(buffer, check)
+    else:
+        _protocol.defer_check(buffer, check)
+    return _protocol.backward_totals(buffer)
 
 
 def forward_train(
@@ -227,11 +346,8 @@ def forward_train(
     device = input.device if per_channel is None else per_channel.device
     num_channels = options.layer.num_features
     kernels = kernels_for(input.device)
-    mode = "immediate"  # until resolved: the error path below needs no mode
-    try:
-        mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
-        if mode == "deferred":
-            _protocol.raise_deferred()  # a problem of an earlier call, now arrived
+    with join_on_error(options, "forward", device):
+        mode = _resolve_mode(options, device)
         problem = input_problem(input, num_channels, device)
         if problem is not None:
             raise problem
@@ -240,38 +356,18 @@ def forward_train(
         buffer = _protocol.pack_forward(
             local_count, moments.total, moments.square_total, options.layer.fingerprint
         )
-    except Exception:
-        _join_with_error(options, "forward", device)
-        raise
-    buffer = options.reducer.all_reduce(buffer, "forward")
-
-    check = options.header_check("forward", tuple(input.shape))
-    ok: torch.Tensor | None = None  # deferred checks: 1 where this call's checks pass
-    count: int | torch.Tensor
-    factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
-    if mode == "immediate":
-        count = _protocol.check_now(buffer, check).global_count
-        if options.momentum is None and num_batches_tracked is not None:
-            factor = 1.0 / (float(num_batches_tracked) + 1.0)
-    else:
-        _protocol.defer_check(buffer, check)
-        count = _protocol.count_slot(buffer)
-        if options.momentum is None and num_batches_tracked is not None:
-            factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
-        # a call whose checks fail moves no running statistics
-        ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
-        factor = ok.to(torch.float64) * factor
-
-    mean, var, scale = _stats.global_statistics(
-        _protocol.forward_sums(buffer), count, options.eps, weight
+    mean, var, count = synchronize_moments(
+        buffer,
+        mode,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        options,
+        tuple(input.shape),
     )
+    scale = _stats.scale(var, options.eps, weight)
     saved = torch.stack([mean, var, scale]).to(_stats.stat_dtype(input.dtype))
     output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps)
-    if not is_recomputing():  # a checkpointed forward already updated them
-        _stats.update_running_stats(running_mean, running_var, mean, var, count, factor)
-        if num_batches_tracked is not None:
-            # a deferred check that fails counts no batch either (ok is 0 then)
-            num_batches_tracked.add_(1 if ok is None else ok.to(num_batches_tracked.dtype))
     return ForwardResult(output, saved, count)
 
 
@@ -291,25 +387,77 @@ def backward_train(
     need_input, need_weight, need_bias = needs_grad
     mean, var, _ = saved.unbind()
     kernels = kernels_for(input.device)
-    try:
+    joining = join_on_error(options, "backward", saved.device)
+    with joining if need_input else contextlib.nullcontext():
         sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
         if need_input:
             buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
-    except Exception:
-        if need_input:
-            _join_with_error(options, "backward", saved.device)
-        raise
     grad_input = None
     if need_input:
-        buffer = options.reducer.all_reduce(buffer, "backward")
-        check = options.header_check("backward")
-        if _protocol.resolve_check_mode(options.layer.check_mode, saved.device) == "immediate":
-            _protocol.check_now(buffer, check)
-        else:
-            _protocol.defer_check(buffer, check)
-        totals = _protocol.backward_totals(buffer)
+        totals = _synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(grad_output, input, saved, options.eps, totals, count)
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
+
+
+def sync_moments(
+    count: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+) -> GlobalMoments:
+    """The global mean and variance from one rank's shifted sums: the forward collective.
+
+    The per-channel half of a training call whose big passes are ordinary torch ops
+    (:mod:`syncbn._composite`): checks, one collective, running statistics.
+
+    Args:
+        count: 0-dim, this rank's number of values per channel.
+        shifted_sum, shifted_square_sum: ``(C,)`` sums of ``x - shift`` and its square.
+        shift: ``(C,)`` the shift.
+    """
+    device = shifted_sum.device
+    with join_on_error(options, "forward", device):
+        mode = _resolve_mode(options, device)
+        num_channels = options.layer.num_features
+        if shifted_sum.numel() != num_channels:
+            raise ValueError(
+                f"expected input with {num_channels} channels (num_features={num_channels}), "
+                f"got input with {shifted_sum.numel()} channels"
+            )
+        total, square_total = _stats.unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
+        buffer = _protocol.pack_forward(count, total, square_total, options.layer.fingerprint)
+    return synchronize_moments(
+        buffer, mode, running_mean, running_var, num_batches_tracked, options
+    )
+
+
+def sync_moments_backward(
+    grad_mean: torch.Tensor | None,
+    grad_var: torch.Tensor | None,
+    mean: torch.Tensor,
+    shift: torch.Tensor,
+    count: int | torch.Tensor,
+    options: TrainOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of one rank's shifted sums (float64): the backward collective.
+
+    Every rank normalizes with the same global mean and variance, so their gradients
+    are summed over the ranks (one all-reduce of ``2 * C`` values) before
+    :func:`syncbn._stats.moment_grads` takes them back to each rank's sums.
+    """
+    with join_on_error(options, "backward", mean.device):
+        zeros = torch.zeros_like(mean)
+        buffer = _protocol.pack_backward(
+            zeros if grad_mean is None else grad_mean,
+            zeros if grad_var is None else grad_var,
+            options.layer.fingerprint,
+        )
+    grad_mean, grad_var = _synchronize_grads(buffer, options, mean.device)
+    return _stats.moment_grads(grad_mean, grad_var, mean, shift, count)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -388,3 +536,73 @@ def sync_batch_norm_train(
         input, weight, bias, running_mean, running_var, num_batches_tracked, options
     )
     return output
+
+
+class _SyncMomentsFunction(torch.autograd.Function):
+    """Global mean and variance from one rank's shifted sums, reduced over a process group."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        count: torch.Tensor,
+        shifted_sum: torch.Tensor,
+        shifted_square_sum: torch.Tensor,
+        shift: torch.Tensor,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        num_batches_tracked: torch.Tensor | None,
+        options: TrainOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, var, global_count = sync_moments(
+            count,
+            shifted_sum,
+            shifted_square_sum,
+            shift,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            options,
+        )
+        ctx.save_for_backward(mean, shift)
+        ctx.count = global_count
+        ctx.options = options
+        ctx.sum_dtype = shifted_sum.dtype
+        return mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        mean, shift = ctx.saved_tensors
+        grads = sync_moments_backward(grad_mean, grad_var, mean, shift, ctx.count, ctx.options)
+        grad_sum, grad_square_sum = (grad.to(ctx.sum_dtype) for grad in grads)
+        return None, grad_sum, grad_square_sum, None, None, None, None, None
+
+
+def sync_moments_train(
+    count: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sync_moments` as a differentiable step (eager mode): the global mean and
+    variance, whose gradients reach the shifted sums through one collective in backward."""
+    mean: torch.Tensor
+    var: torch.Tensor
+    mean, var = _SyncMomentsFunction.apply(
+        count,
+        shifted_sum,
+        shifted_square_sum,
+        shift,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        options,
+    )
+    return mean, var

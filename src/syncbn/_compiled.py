@@ -1,43 +1,61 @@
-"""SyncBatchNorm's training call as custom ops, so that ``torch.compile(fullgraph=True)`` works.
+"""SyncBatchNorm's per-channel synchronizing step as custom ops, for ``torch.compile``.
+
+Under ``torch.compile`` a synchronized training call is :mod:`syncbn._composite`: ordinary
+torch ops for every pass over the big tensors, which inductor fuses with their neighbours,
+around one opaque step per direction:
+
+- ``syncbn::sync_moments`` takes one rank's count and shifted per-channel sums and returns
+  the global mean and variance. At run time it does what eager mode does
+  (:func:`syncbn._autograd.sync_moments`): the checks, one collective, the running
+  statistics, and the guard against a second update in a recomputed (checkpointed)
+  forward. It is functional (custom ops that mutate their inputs cannot have an autograd
+  formula): it returns the new running statistics and ``num_batches_tracked``, which the
+  traced code copies into the buffers.
+- ``syncbn::sync_moments_backward``, its autograd formula, sums the gradients of the
+  global mean and variance over the ranks (one collective) and returns those of the
+  rank's sums; autograd derives the rest.
+- ``syncbn::fail_forward`` stands for a call whose input dynamo already knows to be
+  invalid (wrong shape, dtype, device, mask): at run time it joins the collective with
+  the error flag and raises, so that every rank raises instead of waiting.
 
 Dynamo cannot trace a collective whose result is read on the host, nor the autograd
-engine's state that the checkpointing guard reads, nor a Python call counter. Under
-``torch.compile`` a synchronized layer therefore calls two custom ops,
-``syncbn::batch_norm_train`` and ``syncbn::batch_norm_train_backward``, which the graph
-keeps opaque and which run :func:`syncbn._autograd.forward_train` /
-:func:`~syncbn._autograd.backward_train` at run time: the same code as eager mode, with
-the same single collective per direction, the same checks (raised from inside the
-compiled graph), the same guard against a second running-statistics update in a
-recomputed forward. The forward op is functional (custom ops that mutate their inputs
-cannot have an autograd formula): it returns the new running statistics and
-``num_batches_tracked``, which the traced module copies into its buffers.
-
-The ops receive the calling layer as an integer key into a registry of weak references
+engine's state that the checkpointing guard reads, nor a Python call counter: hence the
+ops. They receive the calling layer as an integer key into a registry of weak references
 (a graph can hold no Python object); at run time the layer supplies its process group,
-identity, call count and settings, so that changing them needs no recompilation.
+identity, call count and settings, so that changing them needs no recompilation. The
+functional form has no layer (key 0): its ops name the process group by its
+``group_name`` and take the momentum.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import weakref
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.fx
 
-from syncbn._autograd import TrainOptions, backward_train, first_given, forward_train
-from syncbn._stats import stat_dtype
+from syncbn import distributed
+from syncbn._autograd import (
+    LayerInfo,
+    TrainOptions,
+    input_problem,
+    join_on_error,
+    reducer_for,
+    sync_moments,
+    sync_moments_backward,
+)
+from syncbn._composite import mask_problem
 
 __all__ = [
     "SyncSite",
+    "fail_forward",
     "is_compiling",
     "leaf_call_when_fx_traced",
     "register_site",
-    "sync_batch_norm_train",
+    "synchronizer",
 ]
 
 
@@ -81,7 +99,7 @@ def is_compiling() -> bool:
     return bool(check()) if check is not None else False
 
 
-def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any) -> Any:
+def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any, **kwargs: Any) -> Any:
     """Under ``torch.fx`` symbolic tracing, the call of ``module`` as one graph node; else None.
 
     torch.fx keeps ``torch.nn`` layers as single ``call_module`` nodes (leaves) and traces
@@ -94,208 +112,257 @@ def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any) -> Any:
     if not isinstance(input, torch.fx.Proxy) or not isinstance(input.tracer, torch.fx.Tracer):
         return None
     tracer = input.tracer
-    return tracer.create_proxy("call_module", tracer.path_of_module(module), (input,), {})
+    # keyword arguments given as None (mask=None) are left out, as the call's defaults
+    given = {name: value for name, value in kwargs.items() if value is not None}
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), (input,), given)
 
 
-def _forward(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+def _options(
+    site_key: int, group_name: str, num_features: int, momentum: float | None, backward: bool
+) -> TrainOptions:
+    """The options of a call: from its layer (``site_key > 0``), else of a functional call."""
+    if site_key:
+        site = _site(site_key)
+        return site.last_train_options() if backward else site.next_train_options()
+    reducer = reducer_for(distributed.group_from_name(group_name))
+    return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
+
+
+def _sync_moments(
+    count: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
+    group_name: str,
+    momentum: float | None,
 ) -> tuple[torch.Tensor, ...]:
-    options = _site(site_key).next_train_options()
+    options = _options(site_key, group_name, shifted_sum.numel(), momentum, backward=False)
     # the op is functional: it updates copies of the state and returns them
-    mean, var, tracked = (
+    new_mean, new_var, tracked = (
         None if t is None else t.clone() for t in (running_mean, running_var, num_batches_tracked)
     )
-    output, saved, count = forward_train(input, weight, bias, mean, var, tracked, options)
-    if isinstance(count, torch.Tensor):
-        count = count.clone()  # a view of the collective's buffer: outputs must not alias
+    mean, var, global_count = sync_moments(
+        count, shifted_sum, shifted_square_sum, shift, new_mean, new_var, tracked, options
+    )
+    if isinstance(global_count, torch.Tensor):
+        global_count = global_count.clone()  # a view of the collective's buffer
     else:
-        count = saved.new_tensor(float(count), dtype=torch.float64)
-    empty = saved.new_empty(0)
-    new_state = [empty.clone() if t is None else t for t in (mean, var, tracked)]
-    return (_strided_like(output, input), saved, count, *new_state)
+        global_count = mean.new_tensor(float(global_count))
+    empty = mean.new_empty(0)
+    new_state = [empty.clone() if t is None else t for t in (new_mean, new_var, tracked)]
+    # outputs may alias neither inputs nor each other: mean and var view one tensor
+    return (mean.clone(), var.clone(), global_count, *new_state)
 
 
-def _strided_like(tensor: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with the strides of ``torch.empty_like(input)``, which the fake ops promise.
-
-    The kernels keep the input's memory format, but for ambiguous shapes (a size-1 or
-    empty dimension) their strides can differ from ``empty_like``'s, and compiled code
-    checks them; then one copy fixes it.
-    """
-    expected = torch.empty_like(input, device="meta").stride()
-    if tensor.stride() == expected:
-        return tensor
-    return torch.empty_like(input).copy_(tensor)
-
-
-def _forward_fake(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+def _sync_moments_fake(
+    count: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
+    group_name: str,
+    momentum: float | None,
 ) -> tuple[torch.Tensor, ...]:
-    # the layer's channel count, not the input's: an input with the wrong count must trace,
-    # so that the real op joins the collective with the error flag before it raises
-    per_channel = first_given(weight, bias, running_mean, running_var)
-    num_channels = input.shape[1] if per_channel is None else per_channel.numel()
-    saved = input.new_empty((3, num_channels), dtype=stat_dtype(input.dtype))
+    mean = shifted_sum.new_empty(shifted_sum.shape, dtype=torch.float64)
     new_state = [
-        saved.new_empty(0) if t is None else torch.empty_like(t)
+        mean.new_empty(0) if t is None else torch.empty_like(t)
         for t in (running_mean, running_var, num_batches_tracked)
     ]
-    return (torch.empty_like(input), saved, input.new_empty((), dtype=torch.float64), *new_state)
+    return (mean, torch.empty_like(mean), mean.new_empty(()), *new_state)
 
 
-def _backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    saved: torch.Tensor,
-    count: torch.Tensor,
+def _sync_moments_backward(
+    grad_mean: torch.Tensor,
+    grad_var: torch.Tensor,
+    mean: torch.Tensor,
+    shift: torch.Tensor,
+    global_count: torch.Tensor,
     site_key: int,
-    needs_grad: Sequence[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _site(site_key).last_train_options()
-    need = (bool(needs_grad[0]), bool(needs_grad[1]), bool(needs_grad[2]))
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _options(site_key, group_name, mean.numel(), None, backward=True)
     # the count stays a tensor unless this call checks at once (a free read on CPU)
-    host_count = options.layer.check_mode == "immediate" or count.device.type == "cpu"
-    grads = backward_train(
-        grad_output, input, saved, int(count) if host_count else count, need, options
-    )
-    grad_input, grad_weight, grad_bias = grads
-    empty = saved.new_empty(0)
-    return (
-        empty if grad_input is None else _strided_like(grad_input, input),
-        empty.clone() if grad_weight is None else grad_weight,
-        empty.clone() if grad_bias is None else grad_bias,
-    )
+    host_count = options.layer.check_mode == "immediate" or global_count.device.type == "cpu"
+    count = int(global_count) if host_count else global_count
+    return sync_moments_backward(grad_mean, grad_var, mean, shift, count, options)
 
 
-def _backward_fake(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    saved: torch.Tensor,
-    count: torch.Tensor,
+def _sync_moments_backward_fake(
+    grad_mean: torch.Tensor,
+    grad_var: torch.Tensor,
+    mean: torch.Tensor,
+    shift: torch.Tensor,
+    global_count: torch.Tensor,
     site_key: int,
-    needs_grad: Sequence[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_channels = saved.shape[1]
-    return (
-        torch.empty_like(input) if needs_grad[0] else saved.new_empty(0),
-        saved.new_empty(num_channels) if needs_grad[1] else saved.new_empty(0),
-        saved.new_empty(num_channels) if needs_grad[2] else saved.new_empty(0),
-    )
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(mean), torch.empty_like(mean)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    input, weight, bias, _, _, _, site_key = inputs
-    _, saved, count, *new_state = output
-    ctx.mark_non_differentiable(saved, count, *new_state)
-    ctx.save_for_backward(input, saved, count)
+    _, shifted_sum, _, shift, _, _, _, site_key, group_name, _ = inputs
+    mean, _, global_count, *new_state = output
+    ctx.mark_non_differentiable(global_count, *new_state)
+    ctx.save_for_backward(mean, shift, global_count)
     ctx.site_key = site_key
-    ctx.param_dtypes = (
-        None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype,
-    )
+    ctx.group_name = group_name
+    ctx.sum_dtype = shifted_sum.dtype
 
 
 def _autograd_backward(
-    ctx: Any, grad_output: torch.Tensor, *_grad_other_outputs: Any
+    ctx: Any, grad_mean: torch.Tensor | None, grad_var: torch.Tensor | None, *_: Any
 ) -> tuple[torch.Tensor | None, ...]:
-    input, saved, count = ctx.saved_tensors
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    grads = torch.ops.syncbn.batch_norm_train_backward(
-        grad_output.contiguous(memory_format=_memory_format(input)),
-        input,
-        saved,
-        count,
+    mean, shift, global_count = ctx.saved_tensors
+    grads = torch.ops.syncbn.sync_moments_backward(
+        torch.zeros_like(mean) if grad_mean is None else grad_mean,
+        torch.zeros_like(mean) if grad_var is None else grad_var,
+        mean,
+        shift,
+        global_count,
         ctx.site_key,
-        needs,
+        ctx.group_name,
     )
-    grad_input, grad_weight, grad_bias = (g if n else None for g, n in zip(grads, needs))
-    weight_dtype, bias_dtype = ctx.param_dtypes
-    if grad_weight is not None and weight_dtype is not None:
-        grad_weight = grad_weight.to(weight_dtype)
-    if grad_bias is not None and bias_dtype is not None:
-        grad_bias = grad_bias.to(bias_dtype)
-    return grad_input, grad_weight, grad_bias, None, None, None, None
+    grad_sum, grad_square_sum = (grad.to(ctx.sum_dtype) for grad in grads)
+    return (None, grad_sum, grad_square_sum) + (None,) * 7
 
 
-def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
+def _fail_forward(
+    input: torch.Tensor,
+    anchor: torch.Tensor,
+    mask: torch.Tensor | None,
+    site_key: int,
+    group_name: str,
+    num_features: int,
+) -> torch.Tensor:
+    # the problem that tracing found, found again on the real tensors (a graph cannot
+    # carry the message: dynamo does not trace str() of an exception)
+    problem = input_problem(input, num_features, anchor.device)
+    if problem is None and mask is not None:
+        problem = mask_problem(mask, input)
+    if problem is None:  # pragma: no cover - tracing and run time see the same metadata
+        problem = RuntimeError("syncbn: a call traced as invalid is valid at run time")
+    options = _options(site_key, group_name, num_features, None, backward=False)
+    with join_on_error(options, "forward", anchor.device):
+        raise problem
+    raise AssertionError("unreachable")  # pragma: no cover - the context re-raises
 
 
-def _layout_tags() -> dict[str, Any]:
-    """Ask inductor to pass the ops inputs with the strides they were traced with.
-
-    Otherwise inductor may pick another layout for a convolution's output (channels_last on
-    CPU), and the ops' outputs, which follow their input's layout, no longer have the
-    strides the fake ops promised.
-    """
-    tag = getattr(torch.Tag, "needs_exact_strides", None) or getattr(
-        torch.Tag, "needs_fixed_stride_order", None
-    )
-    accepts_tags = "tags" in inspect.signature(torch.library.custom_op).parameters
-    return {"tags": (tag,)} if tag is not None and accepts_tags else {}
+def _fail_forward_fake(
+    input: torch.Tensor,
+    anchor: torch.Tensor,
+    mask: torch.Tensor | None,
+    site_key: int,
+    group_name: str,
+    num_features: int,
+) -> torch.Tensor:
+    return torch.empty_like(input)
 
 
 @functools.cache
 def _define_ops() -> None:
-    """Register the two custom ops (once; torch < 2.4 has no custom ops and no fullgraph)."""
+    """Register the custom ops (once; torch < 2.4 has no custom ops and no fullgraph)."""
     if not hasattr(torch.library, "custom_op"):
         return
-    tags = _layout_tags()
     forward_op = torch.library.custom_op(
-        "syncbn::batch_norm_train",
-        _forward,
+        "syncbn::sync_moments",
+        _sync_moments,
         mutates_args=(),
-        schema="(Tensor input, Tensor? weight, Tensor? bias, Tensor? running_mean, "
-        "Tensor? running_var, Tensor? num_batches_tracked, int site_key) "
+        schema="(Tensor count, Tensor shifted_sum, Tensor shifted_square_sum, Tensor shift, "
+        "Tensor? running_mean, Tensor? running_var, Tensor? num_batches_tracked, "
+        "int site_key, str group_name, float? momentum) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        **tags,
     )
-    forward_op.register_fake(_forward_fake)
+    forward_op.register_fake(_sync_moments_fake)
     backward_op = torch.library.custom_op(
-        "syncbn::batch_norm_train_backward",
-        _backward,
+        "syncbn::sync_moments_backward",
+        _sync_moments_backward,
         mutates_args=(),
-        schema="(Tensor grad_output, Tensor input, Tensor saved, Tensor count, int site_key, "
-        "bool[] needs_grad) -> (Tensor, Tensor, Tensor)",
-        **tags,
+        schema="(Tensor grad_mean, Tensor grad_var, Tensor mean, Tensor shift, "
+        "Tensor global_count, int site_key, str group_name) -> (Tensor, Tensor)",
     )
-    backward_op.register_fake(_backward_fake)
+    backward_op.register_fake(_sync_moments_backward_fake)
     forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+    fail_op = torch.library.custom_op(
+        "syncbn::fail_forward",
+        _fail_forward,
+        mutates_args=(),
+        schema="(Tensor input, Tensor anchor, Tensor? mask, int site_key, str group_name, "
+        "int num_features) -> Tensor",
+    )
+    fail_op.register_fake(_fail_forward_fake)
 
 
-def sync_batch_norm_train(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+def synchronizer(
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
+    group_name: str = "",
+    momentum: float | None = None,
+) -> Any:
+    """The ``synchronize`` step of :func:`syncbn._composite.batch_norm_train` in a compiled
+    graph: the ``syncbn::sync_moments`` op, whose new running statistics are copied into
+    the buffers.
+
+    Args:
+        site_key: the layer's key (:func:`register_site`), or 0 for a functional call,
+            which names its process group (``""``: the default group) and momentum.
+    """
+
+    def synchronize(
+        count: torch.Tensor,
+        shifted_sum: torch.Tensor,
+        shifted_square_sum: torch.Tensor,
+        shift: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, var, _, *new_state = torch.ops.syncbn.sync_moments(
+            count,
+            shifted_sum,
+            shifted_square_sum,
+            shift,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            site_key,
+            group_name,
+            momentum,
+        )
+        with torch.no_grad():
+            for state, new in zip((running_mean, running_var, num_batches_tracked), new_state):
+                if state is not None:
+                    state.copy_(new)
+        return mean, var
+
+    return synchronize
+
+
+def fail_forward(
+    input: torch.Tensor,
+    anchor: torch.Tensor,
+    mask: torch.Tensor | None,
+    num_features: int,
+    site_key: int,
+    group_name: str = "",
 ) -> torch.Tensor:
-    """The compiled twin of :func:`syncbn._autograd.sync_batch_norm_train` for a layer."""
-    output, _, _, new_mean, new_var, new_tracked = torch.ops.syncbn.batch_norm_train(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, site_key
+    """A compiled call whose input (or mask) is invalid: at run time, joins the collective
+    with the error flag and raises the problem on this rank (the others raise too).
+
+    Args:
+        anchor: a tensor on the device of the layer's buffers (the collective's device).
+    """
+    output: torch.Tensor = torch.ops.syncbn.fail_forward(
+        input.detach(),
+        anchor.detach(),
+        None if mask is None else mask.detach(),
+        site_key,
+        group_name,
+        num_features,
     )
-    with torch.no_grad():
-        for state, new in zip(
-            (running_mean, running_var, num_batches_tracked), (new_mean, new_var, new_tracked)
-        ):
-            if state is not None:
-                state.copy_(new)
-    return output  # type: ignore[no-any-return]
+    return output

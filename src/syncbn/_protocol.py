@@ -123,7 +123,7 @@ def _buffer_ends(
 
 
 def pack_forward(
-    count: int,
+    count: int | torch.Tensor,
     total: torch.Tensor,
     square_total: torch.Tensor,
     fingerprint: int,
@@ -131,8 +131,13 @@ def pack_forward(
 ) -> torch.Tensor:
     """Pack one rank's forward contribution into a float64 buffer of ``forward_size(C)``.
 
-    The sums per channel equal ``n * mean`` and ``n * (var + mean**2)``.
+    The sums per channel equal ``n * mean`` and ``n * (var + mean**2)``. The count ``n``
+    is a number, or a 0-dim tensor on the device (a masked batch counts its valid
+    positions there, without a host read).
     """
+    if isinstance(count, torch.Tensor):
+        head, trailer = _buffer_ends(fingerprint, None, error, total.device)
+        return torch.cat([head, count.to(PACK_DTYPE).view(1), total, square_total, trailer])
     head, trailer = _buffer_ends(fingerprint, count, error, total.device)
     return torch.cat([head, total, square_total, trailer])
 

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["global_statistics", "stat_dtype", "update_running_stats"]
+__all__ = [
+    "global_moments",
+    "moment_grads",
+    "scale",
+    "stat_dtype",
+    "unshifted_sums",
+    "update_running_stats",
+]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,26 +36,89 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def global_statistics(
-    sums: torch.Tensor,
+def unshifted_sums(
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
     count: int | torch.Tensor,
-    eps: float,
-    weight: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global mean, biased variance and ``scale = weight / sqrt(var + eps)``, in float64.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum(x)`` and ``sum(x**2)`` in float64 from sums of shifted data ``x - shift``.
+
+    The shift is added back exactly in float64: ``sum(x) = sum(x - k) + n k`` and
+    ``sum(x**2) = sum((x - k)**2) + k (sum(x - k) + sum(x))``.
+
+    Args:
+        shifted_sum, shifted_square_sum: ``(C,)`` sums of ``x - shift`` and its square.
+        shift: ``(C,)`` the per-channel shift ``k``.
+        count: the number of values summed per channel ``n``, a number or a 0-dim tensor.
+    """
+    shifted_sum, shifted_square_sum, shift = (
+        t.to(torch.float64) for t in (shifted_sum, shifted_square_sum, shift)
+    )
+    if isinstance(count, torch.Tensor):
+        total = torch.addcmul(shifted_sum, shift, count.to(torch.float64))
+    else:
+        total = torch.add(shifted_sum, shift, alpha=count)
+    square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
+    return total, square_total
+
+
+def moment_grads(
+    grad_mean: torch.Tensor,
+    grad_var: torch.Tensor,
+    mean: torch.Tensor,
+    shift: torch.Tensor,
+    count: int | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Gradients of one rank's shifted sums, given those of the global mean and variance.
+
+    With the global ``mean = T_1 / N`` and ``var = T_2 / N - mean^2``, where ``T_1`` and
+    ``T_2`` sum every rank's ``sum(x)`` and ``sum(x**2)`` (see :func:`unshifted_sums`):
+
+    .. math::
+        rac{\partial L}{\partial S_1} = rac{G_\mu + 2 (k - \mu) G_v}{N}, \qquad
+        rac{\partial L}{\partial S_2} = rac{G_v}{N}
+
+    for this rank's shifted sums :math:`S_1 = \sum (x - k)`, :math:`S_2 = \sum (x - k)^2`,
+    where :math:`G_\mu` and :math:`G_v` are the gradients of the mean and the variance
+    summed over all ranks (every rank normalizes with them). :math:`k - \mu` is small
+    where the shift is a sample, so the sum does not cancel. An empty global batch gives
+    zeros.
+
+    Args:
+        grad_mean, grad_var: ``(C,)`` the global sums :math:`G_\mu`, :math:`G_v`.
+        mean: ``(C,)`` float64, the global mean.
+        shift: ``(C,)`` this rank's shift :math:`k`.
+        count: the global count :math:`N`, a number or a 0-dim tensor.
+    """
+    divisor = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+    grad_var = grad_var.to(torch.float64) / divisor
+    offset = shift.to(torch.float64) - mean
+    grad_shifted_sum = torch.addcmul(
+        grad_mean.to(torch.float64) / divisor, offset, grad_var, value=2
+    )
+    return grad_shifted_sum, grad_var
+
+
+def global_moments(
+    sums: torch.Tensor, count: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean and biased variance, in float64.
 
     Args:
         sums: ``(2, C)`` float64: the global ``sum(x)`` and ``sum(x**2)``.
         count: the global count per channel; an empty global batch gives zeros, not NaN.
-        weight: the affine weight, or ``None``.
     """
     divisor = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
     mean, square_mean = (sums / divisor).unbind()
     var = torch.addcmul(square_mean, mean, mean, value=-1).clamp_(min=0)
-    scale = (var + eps).rsqrt_()
-    if weight is not None:
-        scale = scale * weight
-    return mean, var, scale
+    return mean, var
+
+
+def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.Tensor:
+    """``weight / sqrt(var + eps)`` (``1 / sqrt(var + eps)`` without a weight)."""
+    inverse_std = (var + eps).rsqrt_()
+    return inverse_std if weight is None else inverse_std * weight
 
 
 def update_running_stats(

@@ -11,16 +11,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _compiled, _conversion, distributed
+from syncbn import _compiled, _composite, _conversion, distributed
 from syncbn._autograd import (
     LayerInfo,
-    ProcessGroupReducer,
     TrainOptions,
     input_problem,
     is_recomputing,
+    reducer_for,
     sync_batch_norm_train,
 )
 from syncbn._protocol import CHECK_MODES, fingerprint
+from syncbn.functional import composite_train
 
 __all__ = ["SyncBatchNorm"]
 
@@ -216,8 +217,7 @@ class SyncBatchNorm(_BatchNorm):
         )
 
     def _train_options(self, layer: LayerInfo) -> TrainOptions:
-        group = self.process_group
-        reducer = ProcessGroupReducer(group, distributed.get_world_size(group))
+        reducer = reducer_for(self.process_group, force=self._sync_alone)
         return TrainOptions(reducer, layer, self.eps, self.momentum)
 
     def next_train_options(self) -> TrainOptions:
@@ -230,41 +230,35 @@ class SyncBatchNorm(_BatchNorm):
         """The options of this layer's calls, without a call index (for a compiled backward)."""
         return self._train_options(self._layer_info(None))
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        traced = _compiled.leaf_call_when_fx_traced(self, input)
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        traced = _compiled.leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
         if not _compiled.is_compiling():  # a side effect dynamo refuses inside checkpointing
             self.last_input_dim = input.dim()
         if not self.training:
-            # Eval never communicates: exactly torch's BatchNorm.
-            self._check_input_dim(input)
-            bn_training = self.running_mean is None and self.running_var is None
-            return F.batch_norm(
-                input,
-                self.running_mean,
-                self.running_var,
-                self.weight,
-                self.bias,
-                bn_training,
-                0.0,
-                self.eps,
-            )
-        if distributed.get_world_size(self.process_group) <= 1 and not self._sync_alone:
+            return self._eval_forward(input, mask)
+        synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
+        if not synchronized and mask is None:
             return self._local_training_forward(input)
         tracking = self.track_running_stats
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         num_batches_tracked = self.num_batches_tracked if tracking else None
-        if _compiled.is_compiling():
-            return _compiled.sync_batch_norm_train(
+        if mask is not None or _compiled.is_compiling():
+            return composite_train(
                 input,
                 self.weight,
                 self.bias,
+                mask,
                 running_mean,
                 running_var,
                 num_batches_tracked,
-                self._site_key,
+                num_features=self.num_features,
+                eps=self.eps,
+                momentum=self.momentum,
+                options=self.next_train_options,
+                site_key=self._site_key,
             )
         return sync_batch_norm_train(
             input,
@@ -275,6 +269,33 @@ class SyncBatchNorm(_BatchNorm):
             running_var=running_var,
             num_batches_tracked=num_batches_tracked,
         )
+
+    def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Eval never communicates: exactly torch's BatchNorm (padded positions zero)."""
+        self._check_input_dim(input)
+        problem = None if mask is None else _composite.mask_problem(mask, input)
+        if problem is not None:
+            raise problem
+        if self.running_mean is None and self.running_var is None:
+            # no running statistics: those of the local batch, as torch's layers do
+            if mask is not None:
+                return _composite.batch_norm_train(
+                    input, self.weight, self.bias, mask, self.eps, _composite.local_statistics
+                )
+            bn_training = True
+        else:
+            bn_training = False
+        output = F.batch_norm(
+            input,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            bn_training,
+            0.0,
+            self.eps,
+        )
+        return _composite.zero_padded(output, mask)
 
     def _local_training_forward(self, input: torch.Tensor) -> torch.Tensor:
         """Training without a group of several ranks: exactly torch's BatchNorm.

@@ -19,6 +19,7 @@ __all__ = [
     "create_process_group",
     "get_rank",
     "get_world_size",
+    "group_from_name",
     "is_distributed",
 ]
 
@@ -44,6 +45,24 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
             "every rank that calls SyncBatchNorm must belong to its process group"
         )
     return dist.get_world_size(group)
+
+
+def group_from_name(group_name: str) -> dist.ProcessGroup | None:
+    """The process group whose ``group_name`` is ``group_name``; ``None`` (the default
+    group) for ``""``.
+
+    Compiled graphs name groups, as torch's functional collectives do: a graph holds no
+    Python object.
+
+    Raises:
+        RuntimeError: if no group of this process has that name.
+    """
+    if not group_name:
+        return None
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        if name == group_name:
+            return group
+    raise RuntimeError(f"no process group named {group_name!r} exists in this process")
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:

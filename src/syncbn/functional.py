@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from syncbn import distributed
+from syncbn import _compiled, _composite, distributed
 from syncbn._autograd import (
     LayerInfo,
-    ProcessGroupReducer,
     TrainOptions,
     first_given,
     input_problem,
     is_recomputing,
+    join_on_error,
+    reducer_for,
     sync_batch_norm_train,
+    sync_moments_train,
 )
 
 __all__ = ["sync_batch_norm"]
@@ -30,6 +34,7 @@ def sync_batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     process_group: dist.ProcessGroup | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Batch normalization whose training statistics cover every rank of a process group.
 
@@ -41,6 +46,13 @@ def sync_batch_norm(
     ``running_var`` (if given) are updated in place with the global mean and
     unbiased variance. Otherwise this is exactly
     :func:`torch.nn.functional.batch_norm`.
+
+    With a ``mask`` (True at valid positions), the statistics are those of the valid
+    positions of all ranks, the running variance uses their global count, and padded
+    positions of the output, and their input gradients, are zero; nothing at a padded
+    position influences any output, gradient or statistic. Without a process group this
+    is an exact masked batch normalization. In eval mode (``training=False``) the running
+    statistics normalize the valid positions and padded outputs are zero.
 
     .. note::
         Synchronization happens only with ``training=True``. Every rank of the group
@@ -57,9 +69,12 @@ def sync_batch_norm(
         eps: added to the variance for numerical stability. Default: 1e-5
         process_group: group to synchronize over; the default group if ``None``.
             Default: ``None``
+        mask: bool tensor, True at valid positions, of the input's shape without the
+            channel dimension (or broadcastable to it), or ``None``. Default: ``None``
 
     Shape:
         - Input: :math:`(N, C, *)`
+        - Mask: :math:`(N, *)`, or broadcastable to it
         - Output: :math:`(N, C, *)`, same shape and memory format as the input.
 
     Examples::
@@ -75,24 +90,104 @@ def sync_batch_norm(
         )
     world_size = distributed.get_world_size(process_group) if training else 1
     per_channel = first_given(weight, bias, running_mean, running_var)
-    if world_size <= 1:
+    # masked training, and synchronized training under torch.compile: composite torch ops
+    composite = training and (mask is not None or (world_size > 1 and _compiled.is_compiling()))
+    if world_size <= 1 and not composite:
         problem = input_problem(
             input,
             None if per_channel is None else per_channel.numel(),
             None if per_channel is None else per_channel.device,
         )
+        if problem is None and mask is not None:
+            problem = _composite.mask_problem(mask, input)
         if problem is not None:
             raise problem
         if training and is_recomputing():
             running_mean = running_var = None  # already updated by the original forward
-        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        output = F.batch_norm(
+            input, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+        return _composite.zero_padded(output, mask)
     if per_channel is None and input.dim() < 2:
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     num_features = input.shape[1] if per_channel is None else per_channel.numel()
-    options = TrainOptions(
-        ProcessGroupReducer(process_group, world_size), LayerInfo("", num_features), eps, momentum
-    )
+
+    def options() -> TrainOptions:
+        return TrainOptions(reducer_for(process_group), LayerInfo("", num_features), eps, momentum)
+
+    if composite:
+        group_name = "" if process_group is None else process_group.group_name
+        return composite_train(
+            input,
+            weight,
+            bias,
+            mask,
+            running_mean,
+            running_var,
+            None,
+            num_features=num_features,
+            eps=eps,
+            momentum=momentum,
+            options=options,
+            site_key=0,
+            group_name=group_name,
+        )
     return sync_batch_norm_train(
-        input, weight, bias, options, running_mean=running_mean, running_var=running_var
+        input, weight, bias, options(), running_mean=running_mean, running_var=running_var
     )
+
+
+def composite_train(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    *,
+    num_features: int,
+    eps: float,
+    momentum: float | None,
+    options: Callable[[], TrainOptions],
+    site_key: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """A training call as composite torch ops around one synchronizing step
+    (:mod:`syncbn._composite`): under ``torch.compile``, and for masked calls.
+
+    Args:
+        num_features: the layer's channel count (an input with another count is invalid).
+        options: the call's options, for eager mode (calling it counts a layer's call).
+        site_key: the layer's key for the compiled ops, or 0 for a functional call, whose
+            ops name its process group by ``group_name`` and take ``momentum``.
+    """
+    per_channel = first_given(weight, bias, running_mean, running_var)
+    anchor = input if per_channel is None else per_channel  # where the buffers live
+    problem = input_problem(input, num_features, anchor.device)
+    if problem is None and mask is not None:
+        problem = _composite.mask_problem(mask, input)
+    if _compiled.is_compiling():
+        if problem is not None and (mask is None or isinstance(mask, torch.Tensor)):
+            # known while tracing: at run time the op joins the collective and raises
+            return _compiled.fail_forward(input, anchor, mask, num_features, site_key, group_name)
+        if problem is not None:
+            raise problem  # a mask that is not a tensor: a programming error on every rank
+        synchronize = _compiled.synchronizer(
+            running_mean, running_var, num_batches_tracked, site_key, group_name, momentum
+        )
+        return _composite.batch_norm_train(input, weight, bias, mask, eps, synchronize)
+    call_options = options()
+    with join_on_error(call_options, "forward", anchor.device):
+        if problem is not None:
+            raise problem
+        moments = _composite.shifted_moments(input, mask)
+    mean, var = sync_moments_train(
+        *moments[:4],
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        options=call_options,
+    )
+    return _composite.normalize(input, moments, mean, var, weight, bias, eps)

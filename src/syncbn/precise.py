@@ -45,7 +45,7 @@ def _record_moments(
         packed = _protocol.pack_forward(count, moments.total, moments.square_total, 0)
         sums[id(layer)] = packed if id(layer) not in sums else sums[id(layer)] + packed
         local_sums = torch.stack([moments.total, moments.square_total])
-        mean, var, _ = _stats.global_statistics(local_sums, count, layer.eps, None)
+        mean, var = _stats.global_moments(local_sums, count)
         layer.running_mean.copy_(mean)  # type: ignore[union-attr]
         layer.running_var.copy_(var)  # type: ignore[union-attr]
 
@@ -201,9 +201,7 @@ def recompute_statistics(
                 stacklevel=2,
             )
             continue
-        mean, var, _ = _stats.global_statistics(
-            _protocol.forward_sums(layer_buffer), count, 0.0, None
-        )
+        mean, var = _stats.global_moments(_protocol.forward_sums(layer_buffer), count)
         layer.running_mean.copy_(mean)  # type: ignore[union-attr]
         layer.running_var.copy_(var * (count / (count - 1)))  # type: ignore[union-attr]
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from syncbn._stats import stat_dtype
+from syncbn._stats import stat_dtype, unshifted_sums
 
 __all__ = ["LocalMoments", "backward_reduce", "input_grad", "local_moments", "normalize"]
 
@@ -95,9 +95,7 @@ def local_moments(input: torch.Tensor) -> LocalMoments:
         .to(_PACK_DTYPE)
         .unbind()
     )
-    total = torch.add(shifted_sum, shift, alpha=count)  # sum(x) = sum(x - k) + n k
-    # sum(x**2) = sum((x - k)**2) + k (2 sum(x - k) + n k) = ... + k (sum(x - k) + sum(x))
-    square_total = torch.addcmul(shifted_square_sum, shift, shifted_sum + total)
+    total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
     return LocalMoments(total, square_total, shift, centered)
 
 

@@ -1,0 +1,204 @@
+"""SyncBatchNorm's training call as ordinary torch ops around one per-channel synchronizing step.
+
+The eager path (:mod:`syncbn._autograd`) runs fused kernels with a hand-written backward.
+This module spells the same maths as plain, differentiable torch ops instead, so that
+
+- under ``torch.compile`` every pass over the big tensors is in the graph, where inductor
+  fuses the moments with the op before and the normalization with the op after (the ReLU,
+  the residual add), and autograd derives the backward reductions and the input gradient;
+- a mask of valid positions (padded batches) is a ``torch.where`` in those passes.
+
+Only the per-channel step is opaque: a ``synchronize`` callable takes one rank's count
+and shifted sums and returns the global mean and variance (one collective in forward,
+one in backward, the checks and the running statistics; see
+:func:`syncbn._autograd.sync_moments` and its compiled twin in :mod:`syncbn._compiled`).
+
+Exactness is that of the eager path: moments of data shifted by one of the rank's own
+values per channel (no cancellation for inputs whose mean is large compared with their
+spread), the shift added back in float64, the output as ``(x - shift) * scale + offset``
+with ``offset = bias + (shift - mean) * scale`` in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from syncbn import _stats
+
+__all__ = [
+    "ShiftedMoments",
+    "Synchronize",
+    "batch_norm_train",
+    "local_statistics",
+    "mask_problem",
+    "normalize",
+    "shifted_moments",
+    "zero_padded",
+]
+
+#: ``(count, shifted_sum, shifted_square_sum, shift) -> (global mean, global variance)``
+Synchronize = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+class ShiftedMoments(NamedTuple):
+    """One rank's local moments, and what normalization reuses."""
+
+    #: 0-dim float64: the number of (valid) values per channel
+    local_count: torch.Tensor
+    #: ``(C,)`` statistics dtype: ``sum(x - shift)`` over the (valid) positions
+    shifted_sum: torch.Tensor
+    #: ``(C,)`` statistics dtype: ``sum((x - shift)**2)`` over the (valid) positions
+    shifted_square_sum: torch.Tensor
+    #: ``(C,)`` statistics dtype, no gradient: the shift, one (valid) value per channel
+    shift: torch.Tensor
+    #: ``x - shift`` in the statistics dtype, zero at padded positions
+    centered: torch.Tensor
+    #: ``(N, 1, *)`` bool, True at valid positions, or ``None`` without a mask
+    valid: torch.Tensor | None
+
+
+def mask_problem(mask: torch.Tensor, input: torch.Tensor) -> Exception | None:
+    """The error a bad ``mask`` for an ``(N, C, *)`` ``input`` deserves, or ``None``."""
+    if not isinstance(mask, torch.Tensor):
+        return TypeError(f"expected mask to be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        return TypeError(f"expected mask of dtype torch.bool, got mask of dtype {mask.dtype}")
+    positions = (input.shape[0], *input.shape[2:])
+    trailing = positions[len(positions) - mask.dim() :] if mask.dim() <= len(positions) else ()
+    if mask.dim() > len(positions) or any(m not in (1, p) for m, p in zip(mask.shape, trailing)):
+        return ValueError(
+            f"expected mask of shape {tuple(positions)} (the input's shape without the channel "
+            f"dimension) or broadcastable to it, got mask of shape {tuple(mask.shape)} for "
+            f"input of shape {tuple(input.shape)}"
+        )
+    if mask.device != input.device:
+        return RuntimeError(
+            "Expected input and mask to be on the same device, got input on "
+            f"{input.device} and mask on {mask.device}"
+        )
+    return None
+
+
+def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
+    return vector.view([1, -1] + [1] * (ndim - 2))
+
+
+def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[n, :, i, j, ...]`` at the flat position ``index`` (shape ``(1,)``) of ``(N, *)``.
+
+    A ``(C,)`` tensor. ``index`` stays a tensor (no host read), and ``index_select``
+    rather than indexing keeps it so under ``torch.compile`` too.
+    """
+    sizes = [x.shape[0], *x.shape[2:]]
+    coordinates = []
+    for size in reversed(sizes[1:]):
+        coordinates.append(index % size)
+        index = index // size
+    coordinates.append(index)
+    dims = [0, *range(2, x.dim())]
+    for dim, coordinate in zip(dims, reversed(coordinates)):
+        x = x.index_select(dim, coordinate)
+    return x.reshape(x.shape[1])
+
+
+def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> ShiftedMoments:
+    """Per-channel count and shifted sums of a local ``(N, C, *)`` batch (valid positions only).
+
+    The shift is the batch's first (valid) sample: zeros if there is none, so that a padded
+    NaN never reaches the sums.
+    """
+    dtype = _stats.stat_dtype(input.dtype)
+    x = input.to(dtype)
+    ndim, num_channels = x.dim(), x.shape[1]
+    detached = x.detach()
+    valid = None
+    if mask is None:
+        count = x.new_full((), x.numel() // num_channels, dtype=torch.float64)
+        first = (0, slice(None)) + (0,) * (ndim - 2)
+        shift = detached[first] if x.numel() else x.new_zeros(num_channels)
+        centered = x - _channel_view(shift, ndim)
+    else:
+        valid = mask.expand((x.shape[0], *x.shape[2:])).unsqueeze(1)
+        count = valid.sum(dtype=torch.float64)
+        if valid.numel():
+            flat = valid.reshape(-1)
+            index = flat.to(torch.int32).argmax().view(1)  # the first valid position, if any
+            shift = torch.where(flat.index_select(0, index), _at_position(detached, index), 0.0)
+        else:
+            shift = x.new_zeros(num_channels)
+        centered = torch.where(valid, x - _channel_view(shift, ndim), 0.0)
+    reduced = [0, *range(2, ndim)]
+    return ShiftedMoments(
+        count,
+        centered.sum(reduced),
+        centered.square().sum(reduced),
+        shift,
+        centered,
+        valid,
+    )
+
+
+def normalize(
+    input: torch.Tensor,
+    moments: ShiftedMoments,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias``, zero at padded positions.
+
+    Computed as ``centered * scale + offset``: the per-channel ``scale`` and ``offset``
+    in float64 from the global ``mean`` and ``var`` (float64), then one pass in the
+    statistics dtype, in the input's dtype and memory format at the end.
+    """
+    scale = _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
+    offset = (moments.shift.to(torch.float64) - mean) * scale
+    if bias is not None:
+        offset = offset + bias.to(torch.float64)
+    centered = moments.centered
+    ndim, dtype = centered.dim(), centered.dtype
+    output = centered * _channel_view(scale.to(dtype), ndim) + _channel_view(offset.to(dtype), ndim)
+    if moments.valid is not None:
+        output = torch.where(moments.valid, output, 0.0)
+    return output.to(input.dtype)
+
+
+def batch_norm_train(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    eps: float,
+    synchronize: Synchronize,
+) -> torch.Tensor:
+    """A training call: local moments, ``synchronize``, normalization (differentiable)."""
+    moments = shifted_moments(input, mask)
+    mean, var = synchronize(*moments[:4])
+    return normalize(input, moments, mean, var, weight, bias, eps)
+
+
+def local_statistics(
+    count: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    shifted_square_sum: torch.Tensor,
+    shift: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :data:`Synchronize` step of one process that updates nothing: the local mean and
+    variance (eval mode without running statistics)."""
+    total, square_total = _stats.unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
+    return _stats.global_moments(torch.stack([total, square_total]), count)
+
+
+def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``output`` with zeros at the padded positions of ``mask`` (eval mode)."""
+    if mask is None:
+        return output
+    valid = mask.expand((output.shape[0], *output.shape[2:])).unsqueeze(1)
+    return torch.where(valid, output, 0.0)

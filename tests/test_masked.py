@@ -1,0 +1,379 @@
+"""Masked SyncBatchNorm: statistics over the valid positions of padded batches.
+
+The gold reference gathers the valid positions of every rank into one ``(M, C)`` batch
+and runs ``torch.nn.BatchNorm1d`` on it in float64. Padded positions hold NaN in the
+input, and the output gradient is arbitrary (large, or NaN) there: nothing at a padded
+position may reach an output, a gradient or a statistic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from _harness import WorkerPool, outcome
+from torch import nn
+
+import syncbn
+from syncbn.functional import sync_batch_norm
+
+_COMPILE = hasattr(torch.library, "custom_op")  # fullgraph compile needs torch >= 2.4
+
+
+@dataclass(frozen=True)
+class MaskedCase:
+    """Per-rank local batch sizes and how much of each rank's batch is padded."""
+
+    sizes: tuple[int, ...]
+    #: per rank, the probability that a position is valid (0: all padded)
+    valid: tuple[float, ...]
+    tail: tuple[int, ...] = (3, 7)  # (C, *spatial)
+    steps: int = 2
+    seed: int = 0
+    offset: float = 0.0
+    dtype: torch.dtype = torch.float64
+    channels_last: bool = False
+    #: "eager", or a torch.compile backend ("aot_eager", "inductor")
+    mode: str = "eager"
+    #: a mask broadcast over the first spatial dimension (shape (N, 1, W) for (N, C, H, W))
+    broadcast: bool = False
+
+    def data(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's input, mask and output gradient at ``step`` (NaN where padded)."""
+        gen = torch.Generator().manual_seed(self.seed * 1000 + step * 10 + rank)
+        shape = (self.sizes[rank], *self.tail)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + self.offset
+        positions = (shape[0], *shape[2:])
+        mask_shape = (shape[0], 1, *shape[3:]) if self.broadcast else positions
+        mask = torch.rand(mask_shape, generator=gen) < self.valid[rank]
+        grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+        padded = ~mask.expand(positions).unsqueeze(1).expand(shape)
+        x = x.masked_fill(padded, float("nan"))
+        grad = grad.masked_fill(padded, float("nan"))
+        return x, mask, grad
+
+
+class _Masked(nn.Module):
+    """SyncBatchNorm taking a mask, as a model would call it."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.bn = syncbn.SyncBatchNorm(num_features, momentum=None)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.bn(x, mask)
+
+
+def _layer(case: MaskedCase) -> _Masked:
+    torch.manual_seed(case.seed)
+    model = _Masked(case.tail[0]).double()
+    with torch.no_grad():
+        model.bn.weight.uniform_(0.5, 1.5)
+        model.bn.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
+    """SyncBatchNorm on this rank's padded batches; returns what the gold test compares."""
+    torch._dynamo.reset()
+    model = _layer(case)
+    run: Any = model
+    if case.mode != "eager":
+        run = torch.compile(model, fullgraph=True, backend=case.mode)
+    records = []
+    for step in range(case.steps):
+        x, mask, grad = case.data(rank, step)
+        x = x.to(case.dtype)
+        if case.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        y = run(x, mask)
+        y.backward(grad.to(case.dtype))
+        records.append(
+            {
+                "output": y.detach().double(),
+                "grad_input": x.grad.double(),  # type: ignore[union-attr]
+                "grad_weight": model.bn.weight.grad.clone(),  # type: ignore[union-attr]
+                "grad_bias": model.bn.bias.grad.clone(),  # type: ignore[union-attr]
+                "channels_last": y.is_contiguous(memory_format=torch.channels_last),
+            }
+        )
+        model.zero_grad()
+    return {"steps": records, "state": model.bn.state_dict()}
+
+
+def _valid_rows(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The ``(M, C)`` rows of an ``(N, C, *)`` tensor at the valid positions of ``mask``."""
+    positions = (tensor.shape[0], *tensor.shape[2:])
+    return tensor.movedim(1, -1)[mask.expand(positions)]
+
+
+def _reference(case: MaskedCase, world_size: int) -> dict[str, Any]:
+    """torch.nn.BatchNorm1d on the valid positions of all ranks, gathered, in float64."""
+    reference = nn.BatchNorm1d(case.tail[0], momentum=None).double()
+    reference.load_state_dict(_layer(case).bn.state_dict())
+    records = []
+    for step in range(case.steps):
+        data = [case.data(rank, step) for rank in range(world_size)]
+        rows = torch.cat([_valid_rows(x, mask) for x, mask, _ in data]).requires_grad_()
+        grads = torch.cat([_valid_rows(grad, mask) for _, mask, grad in data])
+        outputs = reference(rows) if rows.shape[0] else rows * 0  # an empty global batch
+        outputs.backward(grads)
+        records.append(
+            {
+                "output": outputs.detach(),
+                "grad_input": rows.grad,
+                "grad_weight": reference.weight.grad.clone(),  # type: ignore[union-attr]
+                "grad_bias": reference.bias.grad.clone(),  # type: ignore[union-attr]
+                "counts": [int(_valid_rows(x, m).shape[0]) for x, m, _ in data],
+            }
+        )
+        reference.zero_grad()
+    return {"steps": records, "state": reference.state_dict()}
+
+
+def _assert_matches(
+    case: MaskedCase, per_rank: list[dict[str, Any]], rtol: float = 1e-10, atol: float = 1e-10
+) -> None:
+    ref = _reference(case, len(per_rank))
+    for step, expected in enumerate(ref["steps"]):
+        start = 0
+        for rank, result in enumerate(per_rank):
+            got = result["steps"][step]
+            _, mask, _ = case.data(rank, step)
+            stop = start + expected["counts"][rank]
+            for key in ("output", "grad_input"):
+                valid = _valid_rows(got[key], mask)
+                torch.testing.assert_close(
+                    valid, expected[key][start:stop], rtol=rtol, atol=atol, msg=key
+                )
+                padded = _valid_rows(got[key], ~mask.expand(mask.shape))
+                assert bool((padded == 0).all()), f"{key} is not zero at padded positions"
+            start = stop
+        for key in ("grad_weight", "grad_bias"):
+            total = sum(result["steps"][step][key] for result in per_rank)
+            torch.testing.assert_close(total, expected[key], rtol=rtol, atol=atol, msg=key)
+    for result in per_rank:
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=rtol, atol=atol, msg=key)
+
+
+# ---------------------------------------------------------------- one process, no group
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        MaskedCase(sizes=(5,), valid=(0.6,)),
+        MaskedCase(sizes=(4,), valid=(0.7,), tail=(3, 4, 5)),
+        MaskedCase(sizes=(4,), valid=(0.7,), tail=(3, 4, 5), broadcast=True),
+        MaskedCase(sizes=(4,), valid=(0.7,), tail=(3, 4, 5), channels_last=True),
+        MaskedCase(sizes=(3,), valid=(0.7,), tail=(2, 3, 4, 5)),
+        MaskedCase(sizes=(6,), valid=(0.8,), tail=(4,)),  # (N, C) input, (N,) mask
+    ],
+    ids=["NCL", "NCHW", "broadcast-mask", "channels_last", "NCDHW", "NC"],
+)
+def test_without_a_process_group_it_is_an_exact_masked_batchnorm(case: MaskedCase) -> None:
+    result = _run_masked(0, 1, case)
+    _assert_matches(case, [result])
+    if case.channels_last:
+        assert all(step["channels_last"] for step in result["steps"])
+
+
+def test_a_mask_with_every_position_valid_equals_batchnorm() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 6, dtype=torch.float64)
+    masked, plain = syncbn.SyncBatchNorm(3).double(), nn.BatchNorm2d(3).double()
+    y = masked(x, torch.ones(4, 5, 6, dtype=torch.bool))
+    torch.testing.assert_close(y, plain(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(masked.running_var, plain.running_var, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_with_a_large_mean_stays_accurate() -> None:
+    """|mean| / std = 1e4 in float32: the shift is a valid sample, not a padded one."""
+    case = MaskedCase(sizes=(8,), valid=(0.6,), tail=(3, 50), offset=2e4, dtype=torch.float32)
+    result = _run_masked(0, 1, case)
+    # float32 data, float64 reference: the normalized output is off by float32 rounding only
+    _assert_matches(case, [result], rtol=1e-3, atol=2e-3)
+
+
+def test_bfloat16_input_with_float32_parameters() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 20).to(torch.bfloat16)
+    mask = torch.rand(6, 20) < 0.7
+    layer = syncbn.SyncBatchNorm(3)
+    y = layer(x, mask)
+    assert y.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
+    expected = nn.BatchNorm1d(3)(_valid_rows(x.float(), mask))
+    torch.testing.assert_close(_valid_rows(y.float(), mask), expected, rtol=0.02, atol=0.02)
+    assert bool((_valid_rows(y, ~mask) == 0).all())
+
+
+def test_eval_uses_the_running_statistics_and_zeroes_padded_positions() -> None:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(3).double()
+    layer(torch.randn(8, 3, 5, dtype=torch.float64))  # running statistics move once
+    layer.eval()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    mask = torch.rand(4, 5) < 0.5
+    y = layer(x, mask)
+    plain = nn.functional.batch_norm(
+        x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0, layer.eps
+    )
+    torch.testing.assert_close(_valid_rows(y, mask), _valid_rows(plain, mask))
+    assert bool((_valid_rows(y, ~mask) == 0).all())
+
+
+def test_eval_without_running_statistics_uses_the_valid_positions() -> None:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(3, track_running_stats=False).double().eval()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    mask = torch.rand(4, 5) < 0.5
+    expected = nn.BatchNorm1d(3, track_running_stats=False).double()(_valid_rows(x, mask))
+    torch.testing.assert_close(_valid_rows(layer(x, mask), mask), expected)
+
+
+def test_the_functional_form_takes_a_mask() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 6, dtype=torch.float64)
+    mask = torch.rand(5, 6) < 0.6
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    y = sync_batch_norm(x, mean, var, training=True, momentum=0.5, mask=mask)
+    reference = nn.BatchNorm1d(3, affine=False, momentum=0.5).double()
+    torch.testing.assert_close(_valid_rows(y, mask), reference(_valid_rows(x, mask)))
+    torch.testing.assert_close(mean, reference.running_mean)
+    torch.testing.assert_close(var, reference.running_var)
+
+
+def test_checkpointed_recomputation_updates_running_statistics_once() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 6, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(5, 6) < 0.6
+    layer, reference = syncbn.SyncBatchNorm(3).double(), syncbn.SyncBatchNorm(3).double()
+    torch.utils.checkpoint.checkpoint(layer, x, mask, use_reentrant=False).sum().backward()
+    reference(x, mask).sum().backward()
+    torch.testing.assert_close(layer.state_dict(), reference.state_dict())
+    assert layer.state_dict()["num_batches_tracked"].item() == 1
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "message"),
+    [
+        (torch.ones(4, 5, dtype=torch.uint8), TypeError, "expected mask of dtype torch.bool"),
+        (torch.ones(4, 6, dtype=torch.bool), ValueError, "expected mask of shape (4, 5)"),
+        (torch.ones(4, 3, 5, dtype=torch.bool), ValueError, "expected mask of shape (4, 5)"),
+        (torch.ones(4, 5, dtype=torch.bool, device="meta"), RuntimeError, "same device"),
+    ],
+    ids=["dtype", "shape", "with-channels", "device"],
+)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_invalid_mask_is_a_clear_error(
+    mask: torch.Tensor, error: type[Exception], message: str, training: bool
+) -> None:
+    layer = syncbn.SyncBatchNorm(3).train(training)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        layer(torch.randn(4, 3, 5), mask)
+
+
+def test_a_global_valid_count_of_one_raises_like_batchnorm() -> None:
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3] = True
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        syncbn.SyncBatchNorm(3)(torch.randn(2, 3, 5), mask)
+
+
+# ---------------------------------------------------------------- several ranks
+
+_RANK_CASES = {
+    "uneven": MaskedCase(sizes=(3, 5, 2), valid=(0.6, 0.5, 0.8)),
+    "empty-rank": MaskedCase(sizes=(4, 0, 3), valid=(0.6, 0.5, 0.7)),
+    "all-padded-rank": MaskedCase(sizes=(3, 4, 2), valid=(0.0, 0.6, 0.7)),
+    "4d-channels_last": MaskedCase(
+        sizes=(2, 3, 1), valid=(0.7, 0.5, 0.9), tail=(3, 4, 5), channels_last=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_RANK_CASES.values()), ids=list(_RANK_CASES))
+def test_global_statistics_over_the_valid_positions_of_all_ranks(
+    pool: WorkerPool, case: MaskedCase
+) -> None:
+    per_rank = pool.run(_run_masked, case, timeout=60.0)
+    _assert_matches(case, per_rank)
+
+
+def test_every_position_padded_on_every_rank(pool2: WorkerPool) -> None:
+    """Like an all-empty global batch: zero outputs and gradients, running statistics kept."""
+    case = MaskedCase(sizes=(3, 2), valid=(0.0, 0.0))
+    for result in pool2.run(_run_masked, case, timeout=60.0):
+        for step in result["steps"]:
+            for key in ("output", "grad_input", "grad_weight", "grad_bias"):
+                assert bool((step[key] == 0).all()), key
+        assert bool((result["state"]["running_mean"] == 0).all())
+        assert bool((result["state"]["running_var"] == 1).all())
+
+
+def _count_of_one(rank: int, world_size: int) -> tuple[str, str]:
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    if rank == 0:
+        mask[0, 2] = True
+    layer = syncbn.SyncBatchNorm(3)
+    return outcome(layer, torch.randn(2, 3, 5), mask)
+
+
+def test_a_global_valid_count_of_one_raises_on_every_rank(pool2: WorkerPool) -> None:
+    for kind, message in pool2.run(_count_of_one, timeout=60.0):
+        assert kind == "ValueError" and "Expected more than 1 value per channel" in message
+
+
+def _invalid_mask_on_one_rank(rank: int, world_size: int, compiled: bool) -> tuple[str, str]:
+    torch._dynamo.reset()
+    layer: Any = syncbn.SyncBatchNorm(3)
+    if compiled:
+        layer = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    mask = torch.ones(2, 5, dtype=torch.bool) if rank else torch.ones(2, 4, dtype=torch.bool)
+    return outcome(layer, torch.randn(2, 3, 5), mask)
+
+
+@pytest.mark.parametrize(
+    "compiled",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not _COMPILE, reason="torch < 2.4"))],
+    ids=["eager", "compiled"],
+)
+def test_an_invalid_mask_on_one_rank_raises_on_every_rank(
+    pool2: WorkerPool, compiled: bool
+) -> None:
+    results = pool2.run(_invalid_mask_on_one_rank, compiled, timeout=120.0)
+    assert results[0][0] == "ValueError" and "expected mask of shape (2, 5)" in results[0][1]
+    assert results[1][0] == "RuntimeError" and "1 other rank(s) failed" in results[1][1]
+
+
+def _ddp_step(rank: int, world_size: int) -> dict[str, Any]:
+    model = _layer(MaskedCase(sizes=(3, 4), valid=(0.5, 0.6)))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, mask, grad = MaskedCase(sizes=(3, 4), valid=(0.5, 0.6)).data(rank, 0)
+    x.requires_grad_()
+    ddp(x, mask).backward(grad)
+    return {"grad_weight": model.bn.weight.grad, "state": model.bn.state_dict()}
+
+
+def test_under_ddp_the_gradients_are_those_of_the_gathered_batch(pool2: WorkerPool) -> None:
+    case = MaskedCase(sizes=(3, 4), valid=(0.5, 0.6), steps=1)
+    expected = _reference(case, 2)
+    for result in pool2.run(_ddp_step, timeout=60.0):
+        # DDP averages the gradients over the 2 ranks: the gathered batch's gradient / 2
+        torch.testing.assert_close(result["grad_weight"] * 2, expected["steps"][0]["grad_weight"])
+        torch.testing.assert_close(result["state"]["running_var"], expected["state"]["running_var"])
+
+
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+@pytest.mark.parametrize("pool", [2, 3], ids=["world2", "world3"], indirect=True)
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+def test_compiled_masked_calls_match_the_gathered_reference(pool: WorkerPool) -> None:
+    """aot_eager: dynamo and AOTAutograd around the custom op, as inductor sees them."""
+    case = dataclasses.replace(_RANK_CASES["empty-rank"], mode="aot_eager")
+    _assert_matches(case, pool.run(_run_masked, case, timeout=240.0))
