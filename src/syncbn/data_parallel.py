@@ -14,7 +14,8 @@ DataParallel copies the model for every forward call. :class:`DataParallelWithCa
 (or a DataParallel patched by :func:`patch_replication_callback`) then calls
 ``__data_parallel_replicate__(ctx, copy_id)`` on every submodule of every copy that has
 it, where ``ctx`` is one object shared by the copies of the same submodule. The copies
-of a synchronized layer use it to share one rendezvous. In training, each copy packs
+of a synchronized layer use it to share one rendezvous (:mod:`syncbn._replicas`, which
+knows nothing of BatchNorm; this module is the API around it). In training, each copy packs
 its local moments into a small float64 buffer (the same buffer as the distributed
 path, built by :mod:`syncbn._protocol`); copy 0 sums the buffers of all copies in copy
 order on its device and hands every copy the sum on that copy's device. Backward
@@ -31,12 +32,9 @@ releases the other replicas at once with an error naming the failure.
 from __future__ import annotations
 
 import functools
-import threading
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
 from syncbn._compiled import leaf_call_when_fx_traced
 from syncbn._conversion import batchnorm_twin
+from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -59,153 +58,6 @@ __all__ = [
 
 #: Seconds a replica waits for the other replicas of its layer before raising.
 DEFAULT_SYNC_TIMEOUT = 120.0
-
-_SAME_CALLS_RULE = (
-    "every replica must call each synchronized BatchNorm layer the same number of times in "
-    "forward, and the same layers must receive gradients on every replica in backward"
-)
-
-
-class _Round:
-    """One exchange: a buffer from every copy, then their sum on every copy's device."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.results: dict[int, torch.Tensor] | None = None
-        self.collected = 0
-
-
-class _ReplicaRendezvous:
-    """Sums one float64 buffer per replica, among the replicas of one layer, in one process.
-
-    One rendezvous serves the copies of one layer for one DataParallel forward call (and
-    the backward of that call). Rounds are keyed by ``(phase, call_index)``, so the
-    ``k``-th call of the layer on one copy meets the ``k``-th call on every other copy.
-    The master (the lowest copy id: 0 under DataParallel) waits for all buffers, sums
-    them in copy order on its own device, and publishes the sum moved to each copy's
-    device; the other copies wait for that result. Every wait ends by ``timeout``.
-
-    Args:
-        timeout: seconds any copy waits in one round before the rendezvous fails.
-        layer: the layer's class name, for error messages.
-    """
-
-    def __init__(self, timeout: float, layer: str) -> None:
-        self.timeout = timeout
-        self.layer = layer
-        self._copies: set[int] = set()
-        self._rounds: dict[tuple[str, int], _Round] = {}
-        self._failure: str | None = None
-        self._cond = threading.Condition()
-
-    def register(self, copy_id: int) -> None:
-        """Record that replica ``copy_id`` takes part (called by the replication callback)."""
-        with self._cond:
-            self._copies.add(copy_id)
-
-    @property
-    def num_copies(self) -> int:
-        return len(self._copies)
-
-    def abort(self, copy_id: int, error: BaseException) -> None:
-        """Fail the rendezvous: every copy waiting now or later raises, naming ``error``.
-
-        Only the first failure is kept, so aborting again (as the released copies do) is
-        harmless.
-        """
-        with self._cond:
-            if self._failure is None:
-                self._failure = f"replica {copy_id} raised {type(error).__name__}: {error}"
-            self._cond.notify_all()
-
-    def _check_failure(self, copy_id: int, phase: str, call_index: int) -> None:
-        if self._failure is not None:
-            raise RuntimeError(
-                f"{self.layer} replica {copy_id} stopped in {phase} (call {call_index}) "
-                f"because {self._failure}"
-            )
-
-    def _wait(
-        self, copy_id: int, ready: Callable[[], bool], key: tuple[str, int], deadline: float
-    ) -> None:
-        """Wait, holding the condition, until ``ready()``; raise on a failure or at the deadline.
-
-        A round that is ready is delivered even if a copy failed meanwhile (the copy
-        that failed may have done so after the round completed).
-        """
-        phase, call_index = key
-        while not ready():
-            self._check_failure(copy_id, phase, call_index)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(self._copies - self._rounds[key].buffers.keys())
-                waiting_for = f"replica(s) {missing}" if missing else "the master replica"
-                self._failure = (
-                    f"replica {copy_id} timed out after {self.timeout:g} s in {phase} (call "
-                    f"{call_index}) waiting for {waiting_for}; {_SAME_CALLS_RULE}"
-                )
-                self._cond.notify_all()
-                raise RuntimeError(f"{self.layer} {self._failure}")
-            self._cond.wait(remaining)
-
-    def exchange(
-        self, copy_id: int, phase: str, call_index: int, buffer: torch.Tensor
-    ) -> torch.Tensor:
-        """Contribute ``buffer`` to round ``(phase, call_index)``; return the sum over all copies.
-
-        Returns:
-            The elementwise sum of every copy's buffer, on ``buffer``'s device.
-
-        Raises:
-            RuntimeError: if a copy failed, or the round did not complete in time.
-        """
-        key = (phase, call_index)
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            self._check_failure(copy_id, phase, call_index)
-            round_ = self._rounds.setdefault(key, _Round())
-            round_.buffers[copy_id] = buffer
-            self._cond.notify_all()
-            is_master = copy_id == min(self._copies)
-            if is_master:
-                self._wait(copy_id, lambda: len(round_.buffers) == len(self._copies), key, deadline)
-        if is_master:
-            # Sum outside the lock, in copy order (deterministic), on the master's device.
-            total = buffer.clone()
-            for other_id in sorted(round_.buffers):
-                if other_id != copy_id:
-                    total.add_(round_.buffers[other_id].to(buffer.device))
-            results = {
-                other_id: total if other_id == copy_id else total.to(other.device, copy=True)
-                for other_id, other in round_.buffers.items()
-            }
-            with self._cond:
-                round_.results = results
-                self._cond.notify_all()
-        with self._cond:
-            self._wait(copy_id, lambda: round_.results is not None, key, deadline)
-            result = cast("dict[int, torch.Tensor]", round_.results)[copy_id]
-            round_.collected += 1
-            if round_.collected == len(self._copies):
-                del self._rounds[key]
-        return result
-
-
-@dataclass(frozen=True)
-class _ReplicaReducer:
-    """The :class:`~syncbn._autograd.Reducer` of one replica: an exchange through the rendezvous."""
-
-    rendezvous: _ReplicaRendezvous
-    copy_id: int
-    call_index: int
-    participants: str = "replicas"
-
-    @property
-    def world_size(self) -> int:
-        return self.rendezvous.num_copies
-
-    def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
-        return self.rendezvous.exchange(self.copy_id, phase, self.call_index, buffer)
 
 
 class _SynchronizedBatchNorm(_BatchNorm):
@@ -226,7 +78,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         )
         self.sync_timeout = DEFAULT_SYNC_TIMEOUT
         # Set on replicas only, by __data_parallel_replicate__.
-        self._replica_sync: _ReplicaRendezvous | None = None
+        self._replica_sync: ReplicaRendezvous | None = None
         self._replica_copy_id = 0
         self._replica_calls = 0
 
@@ -236,12 +88,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         Called on each replica by :func:`execute_replication_callbacks`; ``ctx`` is the
         same object for every copy of this layer within one replication.
         """
-        rendezvous = getattr(ctx, "syncbn_rendezvous", None)
-        if rendezvous is None:
-            rendezvous = _ReplicaRendezvous(self.sync_timeout, type(self).__name__)
-            ctx.syncbn_rendezvous = rendezvous
-        rendezvous.register(copy_id)
-        self._replica_sync = rendezvous
+        self._replica_sync = joined_rendezvous(ctx, copy_id, self.sync_timeout, type(self).__name__)
         self._replica_copy_id = copy_id
         self._replica_calls = 0
 
@@ -267,7 +114,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
             raise problem
         tracking = self.track_running_stats
         try:
-            reducer = _ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
+            reducer = ReplicaReducer(rendezvous, self._replica_copy_id, self._replica_calls)
             layer = LayerInfo(type(self).__name__, self.num_features, self._replica_calls, False)
             return sync_batch_norm_train(
                 input,
@@ -404,26 +251,6 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
                 callback(ctx, copy_id)
 
 
-class _FailFast(nn.Module):
-    """Runs one replica; if it raises, releases the other replicas waiting in its layers."""
-
-    def __init__(
-        self, replica: nn.Module, copy_id: int, rendezvous: list[_ReplicaRendezvous]
-    ) -> None:
-        super().__init__()
-        self.replica = replica
-        self.copy_id = copy_id
-        self.rendezvous = rendezvous
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.replica(*args, **kwargs)
-        except BaseException as error:
-            for rendezvous in self.rendezvous:
-                rendezvous.abort(self.copy_id, error)
-            raise
-
-
 def _fail_fast(replicas: Sequence[nn.Module]) -> list[nn.Module]:
     """Wrap replicas so that one replica's exception releases the others at once."""
     if not replicas:
@@ -435,7 +262,7 @@ def _fail_fast(replicas: Sequence[nn.Module]) -> list[nn.Module]:
     ]
     if not rendezvous:
         return list(replicas)
-    return [_FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
+    return [FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
 
 
 def _device_index(device: int | str | torch.device) -> int | None:
