@@ -437,27 +437,32 @@ def sync_moments(
 
 def sync_moments_backward(
     grad_mean: torch.Tensor | None,
-    grad_var: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
     mean: torch.Tensor,
+    inverse_std: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     count: int | torch.Tensor,
     options: TrainOptions,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of one rank's shifted sums (float64): the backward collective.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of one rank's shifted sums (float64) and of the weight: the backward collective.
 
-    Every rank normalizes with the same global mean and variance, so their gradients
-    are summed over the ranks (one all-reduce of ``2 * C`` values) before
+    The step's outputs are the global mean and ``scale = weight / sqrt(var + eps)``. The
+    weight's gradient is this rank's share (summed over ranks by DDP, as for any
+    parameter). Every rank normalizes with the same global mean and variance, so their
+    gradients are summed over the ranks (one all-reduce of ``2 * C`` values) before
     :func:`syncbn._stats.moment_grads` takes them back to each rank's sums.
     """
+    zeros = torch.zeros_like(mean)
+    grad_var, grad_weight = _stats.scale_grads(
+        zeros if grad_scale is None else grad_scale, inverse_std, weight
+    )
     with join_on_error(options, "backward", mean.device):
-        zeros = torch.zeros_like(mean)
         buffer = _protocol.pack_backward(
-            zeros if grad_mean is None else grad_mean,
-            zeros if grad_var is None else grad_var,
-            options.layer.fingerprint,
+            zeros if grad_mean is None else grad_mean, grad_var, options.layer.fingerprint
         )
     grad_mean, grad_var = _synchronize_grads(buffer, options, mean.device)
-    return _stats.moment_grads(grad_mean, grad_var, mean, shift, count)
+    return (*_stats.moment_grads(grad_mean, grad_var, mean, shift, count), grad_weight)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -539,7 +544,7 @@ def sync_batch_norm_train(
 
 
 class _SyncMomentsFunction(torch.autograd.Function):
-    """Global mean and variance from one rank's shifted sums, reduced over a process group."""
+    """The global mean and scale from one rank's shifted sums, reduced over a process group."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -548,6 +553,7 @@ class _SyncMomentsFunction(torch.autograd.Function):
         shifted_sum: torch.Tensor,
         shifted_square_sum: torch.Tensor,
         shift: torch.Tensor,
+        weight: torch.Tensor | None,
         running_mean: torch.Tensor | None,
         running_var: torch.Tensor | None,
         num_batches_tracked: torch.Tensor | None,
@@ -563,21 +569,33 @@ class _SyncMomentsFunction(torch.autograd.Function):
             num_batches_tracked,
             options,
         )
-        ctx.save_for_backward(mean, shift)
+        inverse_std = _stats.scale(var, options.eps, None)
+        ctx.save_for_backward(mean, inverse_std, shift, weight)
         ctx.count = global_count
         ctx.options = options
         ctx.sum_dtype = shifted_sum.dtype
-        return mean, var
+        return mean, inverse_std if weight is None else inverse_std * weight
 
     @staticmethod
     @once_differentiable
     def backward(  # type: ignore[override]
-        ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor
+        ctx: Any, grad_mean: torch.Tensor, grad_scale: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        mean, shift = ctx.saved_tensors
-        grads = sync_moments_backward(grad_mean, grad_var, mean, shift, ctx.count, ctx.options)
-        grad_sum, grad_square_sum = (grad.to(ctx.sum_dtype) for grad in grads)
-        return None, grad_sum, grad_square_sum, None, None, None, None, None
+        mean, inverse_std, shift, weight = ctx.saved_tensors
+        grad_sum, grad_square_sum, grad_weight = sync_moments_backward(
+            grad_mean, grad_scale, mean, inverse_std, shift, weight, ctx.count, ctx.options
+        )
+        return (
+            None,
+            grad_sum.to(ctx.sum_dtype),
+            grad_square_sum.to(ctx.sum_dtype),
+            None,
+            _cast(grad_weight, None if weight is None else weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def sync_moments_train(
@@ -585,24 +603,30 @@ def sync_moments_train(
     shifted_sum: torch.Tensor,
     shifted_square_sum: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     *,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sync_moments` as a differentiable step (eager mode): the global mean and
-    variance, whose gradients reach the shifted sums through one collective in backward."""
+    """:func:`sync_moments` as a differentiable step (eager mode).
+
+    Returns:
+        The global mean and ``scale = weight / sqrt(var + eps)`` (float64), whose gradients
+        reach the shifted sums through one collective in backward, and the weight.
+    """
     mean: torch.Tensor
-    var: torch.Tensor
-    mean, var = _SyncMomentsFunction.apply(
+    scale: torch.Tensor
+    mean, scale = _SyncMomentsFunction.apply(
         count,
         shifted_sum,
         shifted_square_sum,
         shift,
+        weight,
         running_mean,
         running_var,
         num_batches_tracked,
         options,
     )
-    return mean, var
+    return mean, scale

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 
-from syncbn import distributed
+from syncbn import _stats, distributed
 from syncbn._autograd import (
     LayerInfo,
     TrainOptions,
@@ -118,14 +118,19 @@ def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any, **kwargs: Any)
 
 
 def _options(
-    site_key: int, group_name: str, num_features: int, momentum: float | None, backward: bool
+    site_key: int,
+    group_name: str,
+    num_features: int,
+    eps: float,
+    momentum: float | None,
+    backward: bool,
 ) -> TrainOptions:
     """The options of a call: from its layer (``site_key > 0``), else of a functional call."""
     if site_key:
         site = _site(site_key)
         return site.last_train_options() if backward else site.next_train_options()
     reducer = reducer_for(distributed.group_from_name(group_name))
-    return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
+    return TrainOptions(reducer, LayerInfo("", num_features), eps, momentum)
 
 
 def _sync_moments(
@@ -133,14 +138,16 @@ def _sync_moments(
     shifted_sum: torch.Tensor,
     shifted_square_sum: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
+    eps: float,
     momentum: float | None,
 ) -> tuple[torch.Tensor, ...]:
-    options = _options(site_key, group_name, shifted_sum.numel(), momentum, backward=False)
+    options = _options(site_key, group_name, shifted_sum.numel(), eps, momentum, backward=False)
     # the op is functional: it updates copies of the state and returns them
     new_mean, new_var, tracked = (
         None if t is None else t.clone() for t in (running_mean, running_var, num_batches_tracked)
@@ -152,10 +159,12 @@ def _sync_moments(
         global_count = global_count.clone()  # a view of the collective's buffer
     else:
         global_count = mean.new_tensor(float(global_count))
+    inverse_std = _stats.scale(var, options.eps, None)
+    scale = inverse_std if weight is None else inverse_std * weight
     empty = mean.new_empty(0)
     new_state = [empty.clone() if t is None else t for t in (new_mean, new_var, tracked)]
-    # outputs may alias neither inputs nor each other: mean and var view one tensor
-    return (mean.clone(), var.clone(), global_count, *new_state)
+    # outputs may alias neither inputs nor each other (mean is a view of the sums)
+    return (mean.clone(), scale.clone(), inverse_std, global_count, *new_state)
 
 
 def _sync_moments_fake(
@@ -163,11 +172,13 @@ def _sync_moments_fake(
     shifted_sum: torch.Tensor,
     shifted_square_sum: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
+    eps: float,
     momentum: float | None,
 ) -> tuple[torch.Tensor, ...]:
     mean = shifted_sum.new_empty(shifted_sum.shape, dtype=torch.float64)
@@ -175,62 +186,78 @@ def _sync_moments_fake(
         mean.new_empty(0) if t is None else torch.empty_like(t)
         for t in (running_mean, running_var, num_batches_tracked)
     ]
-    return (mean, torch.empty_like(mean), mean.new_empty(()), *new_state)
+    per_channel = [torch.empty_like(mean) for _ in range(3)]  # mean, scale, inverse_std
+    return (*per_channel, mean.new_empty(()), *new_state)
 
 
 def _sync_moments_backward(
     grad_mean: torch.Tensor,
-    grad_var: torch.Tensor,
+    grad_scale: torch.Tensor,
     mean: torch.Tensor,
+    inverse_std: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     global_count: torch.Tensor,
     site_key: int,
     group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    options = _options(site_key, group_name, mean.numel(), None, backward=True)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(site_key, group_name, mean.numel(), 0.0, None, backward=True)
     # the count stays a tensor unless this call checks at once (a free read on CPU)
     host_count = options.layer.check_mode == "immediate" or global_count.device.type == "cpu"
     count = int(global_count) if host_count else global_count
-    return sync_moments_backward(grad_mean, grad_var, mean, shift, count, options)
+    grad_sum, grad_square_sum, grad_weight = sync_moments_backward(
+        grad_mean, grad_scale, mean, inverse_std, shift, weight, count, options
+    )
+    return grad_sum, grad_square_sum, mean.new_empty(0) if grad_weight is None else grad_weight
 
 
 def _sync_moments_backward_fake(
     grad_mean: torch.Tensor,
-    grad_var: torch.Tensor,
+    grad_scale: torch.Tensor,
     mean: torch.Tensor,
+    inverse_std: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
     global_count: torch.Tensor,
     site_key: int,
     group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(mean), torch.empty_like(mean)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_weight = mean.new_empty(0) if weight is None else torch.empty_like(mean)
+    return torch.empty_like(mean), torch.empty_like(mean), grad_weight
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, shifted_sum, _, shift, _, _, _, site_key, group_name, _ = inputs
-    mean, _, global_count, *new_state = output
-    ctx.mark_non_differentiable(global_count, *new_state)
-    ctx.save_for_backward(mean, shift, global_count)
+    _, shifted_sum, _, shift, weight, *_, site_key, group_name, _, _ = inputs
+    mean, _, inverse_std, global_count, *new_state = output
+    ctx.mark_non_differentiable(inverse_std, global_count, *new_state)
+    ctx.save_for_backward(mean, inverse_std, shift, weight, global_count)
     ctx.site_key = site_key
     ctx.group_name = group_name
     ctx.sum_dtype = shifted_sum.dtype
 
 
 def _autograd_backward(
-    ctx: Any, grad_mean: torch.Tensor | None, grad_var: torch.Tensor | None, *_: Any
+    ctx: Any, grad_mean: torch.Tensor | None, grad_scale: torch.Tensor | None, *_: Any
 ) -> tuple[torch.Tensor | None, ...]:
-    mean, shift, global_count = ctx.saved_tensors
-    grads = torch.ops.syncbn.sync_moments_backward(
+    mean, inverse_std, shift, weight, global_count = ctx.saved_tensors
+    grad_sum, grad_square_sum, grad_weight = torch.ops.syncbn.sync_moments_backward(
         torch.zeros_like(mean) if grad_mean is None else grad_mean,
-        torch.zeros_like(mean) if grad_var is None else grad_var,
+        torch.zeros_like(mean) if grad_scale is None else grad_scale,
         mean,
+        inverse_std,
         shift,
+        weight,
         global_count,
         ctx.site_key,
         ctx.group_name,
     )
-    grad_sum, grad_square_sum = (grad.to(ctx.sum_dtype) for grad in grads)
-    return (None, grad_sum, grad_square_sum) + (None,) * 7
+    return (
+        None,
+        grad_sum.to(ctx.sum_dtype),
+        grad_square_sum.to(ctx.sum_dtype),
+        None,
+        None if weight is None else grad_weight.to(weight.dtype),
+    ) + (None,) * 7
 
 
 def _fail_forward(
@@ -248,7 +275,7 @@ def _fail_forward(
         problem = mask_problem(mask, input)
     if problem is None:  # pragma: no cover - tracing and run time see the same metadata
         problem = RuntimeError("syncbn: a call traced as invalid is valid at run time")
-    options = _options(site_key, group_name, num_features, None, backward=False)
+    options = _options(site_key, group_name, num_features, 0.0, None, backward=False)
     with join_on_error(options, "forward", anchor.device):
         raise problem
     raise AssertionError("unreachable")  # pragma: no cover - the context re-raises
@@ -275,17 +302,18 @@ def _define_ops() -> None:
         _sync_moments,
         mutates_args=(),
         schema="(Tensor count, Tensor shifted_sum, Tensor shifted_square_sum, Tensor shift, "
-        "Tensor? running_mean, Tensor? running_var, Tensor? num_batches_tracked, "
-        "int site_key, str group_name, float? momentum) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "Tensor? weight, Tensor? running_mean, Tensor? running_var, "
+        "Tensor? num_batches_tracked, int site_key, str group_name, float eps, "
+        "float? momentum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     )
     forward_op.register_fake(_sync_moments_fake)
     backward_op = torch.library.custom_op(
         "syncbn::sync_moments_backward",
         _sync_moments_backward,
         mutates_args=(),
-        schema="(Tensor grad_mean, Tensor grad_var, Tensor mean, Tensor shift, "
-        "Tensor global_count, int site_key, str group_name) -> (Tensor, Tensor)",
+        schema="(Tensor grad_mean, Tensor grad_scale, Tensor mean, Tensor inverse_std, "
+        "Tensor shift, Tensor? weight, Tensor global_count, int site_key, str group_name) "
+        "-> (Tensor, Tensor, Tensor)",
     )
     backward_op.register_fake(_sync_moments_backward_fake)
     forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -297,6 +325,21 @@ def _define_ops() -> None:
         "int num_features) -> Tensor",
     )
     fail_op.register_fake(_fail_forward_fake)
+    for name in ("sync_moments", "sync_moments_backward", "fail_forward"):
+        _keep_in_graph(getattr(torch.ops.syncbn, name).default)
+
+
+def _keep_in_graph(op: torch._ops.OpOverload) -> None:
+    """Tell the compiler that ``op`` has side effects (a collective), so that it is never
+    eliminated as dead code.
+
+    A rank whose local batch is empty computes an empty input gradient, which needs none
+    of the backward op's outputs: inductor would drop the op there, and that rank would
+    skip a collective that the others wait in.
+    """
+    keep = getattr(torch.fx.node, "has_side_effect", None)
+    if keep is not None:
+        keep(op)
 
 
 def synchronizer(
@@ -305,6 +348,7 @@ def synchronizer(
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str = "",
+    eps: float = 1e-5,
     momentum: float | None = None,
 ) -> Any:
     """The ``synchronize`` step of :func:`syncbn._composite.batch_norm_train` in a compiled
@@ -313,7 +357,7 @@ def synchronizer(
 
     Args:
         site_key: the layer's key (:func:`register_site`), or 0 for a functional call,
-            which names its process group (``""``: the default group) and momentum.
+            which names its process group (``""``: the default group), eps and momentum.
     """
 
     def synchronize(
@@ -321,24 +365,27 @@ def synchronizer(
         shifted_sum: torch.Tensor,
         shifted_square_sum: torch.Tensor,
         shift: torch.Tensor,
+        weight: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, var, _, *new_state = torch.ops.syncbn.sync_moments(
+        mean, scale, _, _, *new_state = torch.ops.syncbn.sync_moments(
             count,
             shifted_sum,
             shifted_square_sum,
             shift,
+            weight,
             running_mean,
             running_var,
             num_batches_tracked,
             site_key,
             group_name,
+            eps,
             momentum,
         )
         with torch.no_grad():
             for state, new in zip((running_mean, running_var, num_batches_tracked), new_state):
                 if state is not None:
                     state.copy_(new)
-        return mean, var
+        return mean, scale
 
     return synchronize
 

@@ -9,9 +9,13 @@ This module spells the same maths as plain, differentiable torch ops instead, so
 - a mask of valid positions (padded batches) is a ``torch.where`` in those passes.
 
 Only the per-channel step is opaque: a ``synchronize`` callable takes one rank's count
-and shifted sums and returns the global mean and variance (one collective in forward,
-one in backward, the checks and the running statistics; see
-:func:`syncbn._autograd.sync_moments` and its compiled twin in :mod:`syncbn._compiled`).
+and shifted sums, and the weight, and returns the global mean and
+``scale = weight / sqrt(var + eps)`` (one collective in forward, one in backward, the
+checks and the running statistics; see :func:`syncbn._autograd.sync_moments_train` and
+its compiled twin in :mod:`syncbn._compiled`). The weight goes through the step so that
+its gradient needs the step's backward: a compiler keeps that backward, and its
+collective, on a rank whose local batch is empty (where the input's gradient is empty
+and needs nothing).
 
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
 values per channel (no cancellation for inputs whose mean is large compared with their
@@ -39,9 +43,11 @@ __all__ = [
     "zero_padded",
 ]
 
-#: ``(count, shifted_sum, shifted_square_sum, shift) -> (global mean, global variance)``
+#: ``(count, shifted_sum, shifted_square_sum, shift, weight) -> (mean, scale)``: the global
+#: mean and ``scale = weight / sqrt(var + eps)`` (``1 / sqrt(var + eps)`` without a weight)
 Synchronize = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+    tuple[torch.Tensor, torch.Tensor],
 ]
 
 
@@ -147,18 +153,15 @@ def normalize(
     input: torch.Tensor,
     moments: ShiftedMoments,
     mean: torch.Tensor,
-    var: torch.Tensor,
-    weight: torch.Tensor | None,
+    scale: torch.Tensor,
     bias: torch.Tensor | None,
-    eps: float,
 ) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps) * weight + bias``, zero at padded positions.
+    """``(x - mean) * scale + bias``, zero at padded positions.
 
-    Computed as ``centered * scale + offset``: the per-channel ``scale`` and ``offset``
-    in float64 from the global ``mean`` and ``var`` (float64), then one pass in the
+    Computed as ``centered * scale + offset`` with ``offset = bias + (shift - mean) *
+    scale`` in float64 (``mean`` and ``scale`` are float64), then one pass in the
     statistics dtype, in the input's dtype and memory format at the end.
     """
-    scale = _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
     offset = (moments.shift.to(torch.float64) - mean) * scale
     if bias is not None:
         offset = offset + bias.to(torch.float64)
@@ -175,13 +178,12 @@ def batch_norm_train(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     mask: torch.Tensor | None,
-    eps: float,
     synchronize: Synchronize,
 ) -> torch.Tensor:
     """A training call: local moments, ``synchronize``, normalization (differentiable)."""
     moments = shifted_moments(input, mask)
-    mean, var = synchronize(*moments[:4])
-    return normalize(input, moments, mean, var, weight, bias, eps)
+    mean, scale = synchronize(*moments[:4], weight)
+    return normalize(input, moments, mean, scale, bias)
 
 
 def local_statistics(
@@ -189,11 +191,15 @@ def local_statistics(
     shifted_sum: torch.Tensor,
     shifted_square_sum: torch.Tensor,
     shift: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A :data:`Synchronize` step of one process that updates nothing: the local mean and
-    variance (eval mode without running statistics)."""
+    scale (eval mode without running statistics; bind ``eps`` with functools.partial)."""
     total, square_total = _stats.unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
-    return _stats.global_moments(torch.stack([total, square_total]), count)
+    mean, var = _stats.global_moments(torch.stack([total, square_total]), count)
+    return mean, _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
 
 
 def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

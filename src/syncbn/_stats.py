@@ -22,6 +22,7 @@ __all__ = [
     "global_moments",
     "moment_grads",
     "scale",
+    "scale_grads",
     "stat_dtype",
     "unshifted_sums",
     "update_running_stats",
@@ -119,6 +120,21 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
     """``weight / sqrt(var + eps)`` (``1 / sqrt(var + eps)`` without a weight)."""
     inverse_std = (var + eps).rsqrt_()
     return inverse_std if weight is None else inverse_std * weight
+
+
+def scale_grads(
+    grad_scale: torch.Tensor, inverse_std: torch.Tensor, weight: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Gradients of the variance and the weight, given that of :func:`scale`.
+
+    With :math:`s = w (v + \epsilon)^{-1/2}`: :math:`\partial L / \partial w =
+    g_s (v + \epsilon)^{-1/2}` and :math:`\partial L / \partial v = -\tfrac12 g_s w
+    (v + \epsilon)^{-3/2}` (the weight's gradient is ``None`` without a weight).
+    """
+    grad_scale = grad_scale.to(inverse_std.dtype)
+    factor = grad_scale if weight is None else grad_scale * weight.to(inverse_std.dtype)
+    grad_var = factor * inverse_std.pow(3) * -0.5
+    return grad_var, None if weight is None else grad_scale * inverse_std
 
 
 def update_running_stats(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from typing import Any
 
@@ -279,9 +280,8 @@ class SyncBatchNorm(_BatchNorm):
         if self.running_mean is None and self.running_var is None:
             # no running statistics: those of the local batch, as torch's layers do
             if mask is not None:
-                return _composite.batch_norm_train(
-                    input, self.weight, self.bias, mask, self.eps, _composite.local_statistics
-                )
+                local = functools.partial(_composite.local_statistics, eps=self.eps)
+                return _composite.batch_norm_train(input, self.weight, self.bias, mask, local)
             bn_training = True
         else:
             bn_training = False

@@ -175,19 +175,20 @@ def composite_train(
         if problem is not None:
             raise problem  # a mask that is not a tensor: a programming error on every rank
         synchronize = _compiled.synchronizer(
-            running_mean, running_var, num_batches_tracked, site_key, group_name, momentum
+            running_mean, running_var, num_batches_tracked, site_key, group_name, eps, momentum
         )
-        return _composite.batch_norm_train(input, weight, bias, mask, eps, synchronize)
+        return _composite.batch_norm_train(input, weight, bias, mask, synchronize)
     call_options = options()
     with join_on_error(call_options, "forward", anchor.device):
         if problem is not None:
             raise problem
         moments = _composite.shifted_moments(input, mask)
-    mean, var = sync_moments_train(
+    mean, scale = sync_moments_train(
         *moments[:4],
+        weight,
         running_mean=running_mean,
         running_var=running_var,
         num_batches_tracked=num_batches_tracked,
         options=call_options,
     )
-    return _composite.normalize(input, moments, mean, var, weight, bias, eps)
+    return _composite.normalize(input, moments, mean, scale, bias)
