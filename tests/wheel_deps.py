@@ -85,10 +85,13 @@ def link(distributions: dict[str, metadata.Distribution], target: Path) -> int:
 
 def main(argv: list[str]) -> None:
     wheel, target, sites = Path(argv[0]), Path(argv[1]), argv[2:]
-    distributions = dependencies(_wheel_requirements(wheel), sites)
+    requirements = _wheel_requirements(wheel)
+    distributions = dependencies(requirements, sites)
     count = link(distributions, target)
-    names = sorted(f"{d.metadata['Name']} {d.version}" for d in distributions.values())
-    print(f"wheel deps: {len(names)} distributions linked ({count} entries): {', '.join(names)}")
+    names = {canonicalize_name(Requirement(text).name) for text in requirements}
+    direct = [f"{d.metadata['Name']} {d.version}" for n, d in distributions.items() if n in names]
+    others = len(distributions) - len(direct)
+    print(f"wheel deps: {', '.join(direct)} and {others} more linked ({count} entries)")
 
 
 if __name__ == "__main__":
