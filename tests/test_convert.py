@@ -283,8 +283,8 @@ def test_a_registered_class_converts_and_reverts_with_the_default_twins() -> Non
 class SyncAct(syncbn.SyncBatchNorm):
     """The synchronized twin of BatchNormAct2d: BatchNorm over the global batch, then ReLU."""
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.relu(super().forward(input))
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.relu(super().forward(input, mask))
 
 
 def test_a_registered_converter_is_called_both_ways() -> None:
