@@ -18,15 +18,24 @@ for a batch of 0 (a stride assert on ``aten.convolution_backward``'s weight grad
 ``nn.Conv2d`` reproduces it, no syncbn involved). ``tests/test_compile.py`` covers empty
 batches with the ``aot_eager`` backend.
 
+Each rank also times the floor of syncbn's communication per step: the all_reduces of
+exactly the payloads its 15 layers send (``2 * C + 5`` and ``2 * C + 4`` float64 values per
+layer, forward and backward), back to back. ``--world-size 1 --sync-alone`` forces the
+synchronized path on one rank (a one-rank gloo group: the collectives cost microseconds),
+which measures syncbn's compute alone.
+
 Usage::
 
     python benchmarks/compile.py            # ~3-4 min on 2 CPU cores; writes compile.md/json
+    python benchmarks/compile.py --world-size 1 --sync-alone --batch 16 \
+        --out benchmarks/compile-world1.md  # compute only
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +50,7 @@ from resnet import SmallResNet
 from torch import nn
 
 import syncbn
+from syncbn import _protocol
 from syncbn._cli.launch import run_on_ranks
 from syncbn._cli.measure import machine_info
 
@@ -80,9 +90,42 @@ def _step_fn(model: nn.Module, run: Any, device: torch.device) -> Any:
     return step
 
 
-def _rank(
-    rank: int, world_size: int, steps: int, device_type: str, cache_dir: str
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What each rank measures."""
+
+    steps: int
+    device_type: str
+    cache_dir: str
+    batch: int
+    sync_alone: bool
+
+
+def _collectives_floor_ms(model: nn.Module, device: torch.device, repeats: int = 50) -> float:
+    """Median time of one step's all_reduces of syncbn's payloads (every layer, both ways)."""
+    import torch.distributed as dist
+
+    sizes = []
+    for module in model.modules():
+        if isinstance(module, syncbn.SyncBatchNorm):
+            sizes += [
+                _protocol.forward_size(module.num_features),
+                _protocol.backward_size(module.num_features),
+            ]
+    buffers = [torch.zeros(size, dtype=torch.float64, device=device) for size in sizes]
+    times = []
+    for _ in range(repeats + 5):
+        _sync(device)
+        start = time.perf_counter()
+        for buffer in buffers:
+            dist.all_reduce(buffer)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:]) * 1e3
+
+
+def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
+    steps, device_type, cache_dir = settings.steps, settings.device_type, settings.cache_dir
     # a fresh cache: no compiled code and no remembered dynamic dimensions from earlier runs
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     torch.set_num_threads(1)
@@ -90,9 +133,12 @@ def _rank(
     torch.manual_seed(0)
     plain = SmallResNet().to(device)
     synced = syncbn.convert_sync_batchnorm(copy.deepcopy(plain))
+    for module in synced.modules():
+        if isinstance(module, syncbn.SyncBatchNorm):
+            module._sync_alone = settings.sync_alone
     generator = torch.Generator().manual_seed(rank)
 
-    def batch(size: int = BATCH) -> torch.Tensor:
+    def batch(size: int = settings.batch) -> torch.Tensor:
         return torch.randn(size, 3, 32, 32, generator=generator).to(device)
 
     results: dict[str, Any] = {}
@@ -129,6 +175,7 @@ def _rank(
                 entry["graphs_first_shape"] = graphs_before
                 entry["graphs_varying_batch"] = counter.graphs
             results[f"{name} {mode}"] = entry
+    results["collectives floor"] = {"median_ms": _collectives_floor_ms(synced, device)}
     return results
 
 
@@ -143,17 +190,70 @@ def _slowest(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return max(entries, key=lambda entry: float(entry["median_ms"]))
 
 
+def _targets(worst: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """The targets of issue 20 that this run measures, each with its verdict."""
+    compiled = worst["syncbn compiled"]["median_ms"]
+    eager = worst["syncbn eager"]["median_ms"]
+    plain = worst["batchnorm compiled"]["median_ms"]
+    floor = worst["collectives floor"]["median_ms"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    if args.world_size == 1:
+        rows = [
+            (
+                "compiled syncbn <= 1.15x compiled BatchNorm",
+                f"{compiled / plain:.2f}x",
+                compiled <= 1.15 * plain,
+            ),
+            (
+                "compiled syncbn <= 0.85x eager syncbn",
+                f"{compiled / eager:.2f}x",
+                compiled <= 0.85 * eager,
+            ),
+        ]
+    else:
+        bound = plain + 1.2 * floor
+        rows = [
+            (
+                "compiled syncbn <= compiled BatchNorm + 1.2 x collectives floor",
+                f"{compiled:.1f} ms vs {plain:.1f} + 1.2 x {floor:.1f} = {bound:.1f} ms",
+                compiled <= bound,
+            ),
+            (
+                "compiled syncbn never slower than eager syncbn",
+                f"{compiled:.1f} ms vs {eager:.1f} ms",
+                compiled <= eager,
+            ),
+        ]
+    lines = ["", "| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {verdict(ok)} |" for name, value, ok in rows]
+    return lines
+
+
 def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.Namespace) -> str:
-    command_options = " --device cuda" if args.device == "cuda" else ""
+    options = []
+    if args.device == "cuda":
+        options.append("--device cuda")
+    if args.world_size != 2:
+        options.append(f"--world-size {args.world_size}")
+    if args.sync_alone:
+        options.append("--sync-alone")
+    if args.batch != BATCH:
+        options.append(f"--batch {args.batch}")
+    command_options = "".join(f" {option}" for option in options)
+    sync = " with the synchronized path forced (`_sync_alone`)" if args.sync_alone else ""
     lines = [
         "# torch.compile(fullgraph=True): SyncBatchNorm against BatchNorm, per training step",
         "",
         f"Generated by `python benchmarks/compile.py{command_options}`"
         f" on {info['date']}; torch {info['torch']}; {info['cuda'] or info['cpu']}; "
-        f"{args.world_size} ranks ({'nccl' if args.device == 'cuda' else 'gloo'}), one thread "
-        f"each; SmallResNet (15 BatchNorm2d), batch {BATCH} per rank, 32x32, float32, SGD; "
-        f"no DDP. Median (p10) over {args.steps} steps after 3 warm-up steps, worst rank. "
-        "Each rank compiles into an empty inductor cache.",
+        f"{args.world_size} rank(s) ({'nccl' if args.device == 'cuda' else 'gloo'}){sync}, "
+        f"one thread each; SmallResNet (15 BatchNorm2d), batch {args.batch} per rank, 32x32, "
+        f"float32, SGD; no DDP. Median (p10) over {args.steps} steps after 3 warm-up steps, "
+        "worst rank. Each rank compiles into an empty inductor cache. Load average at the "
+        f"end: {info.get('load_average', '?')}.",
         "",
         "| variant | step ms, median (p10) | vs batchnorm of the same mode | compile s | "
         "graphs: first shape / after 5 more batch sizes |",
@@ -161,6 +261,8 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
     ]
     worst = {key: _slowest(results, key) for key in results[0]}
     for key, entry in worst.items():
+        if key == "collectives floor":
+            continue
         mode = key.split()[1]
         ratio = entry["median_ms"] / worst[f"batchnorm {mode}"]["median_ms"]
         compile_s = f"{max(r[key].get('compile_s', 0.0) for r in results):.1f}"
@@ -172,6 +274,11 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
             f"| {key} | {entry['median_ms']:.1f} ({entry['p10_ms']:.1f}) | {ratio:.2f}x | "
             f"{compile_s if mode == 'compiled' else '-'} | {graphs} |"
         )
+    lines.append(
+        f"\nCollectives floor (the all_reduces of syncbn's 30 payloads per step, back to back, "
+        f"worst rank): {worst['collectives floor']['median_ms']:.2f} ms."
+    )
+    lines += _targets(worst, args)
     return "\n".join(lines) + "\n"
 
 
@@ -179,20 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=BATCH, help="local batch size")
+    parser.add_argument(
+        "--sync-alone",
+        action="store_true",
+        help="force the synchronized path at world size 1 (syncbn's compute alone)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=HERE / "compile.md")
     args = parser.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="syncbn-compile-cache-") as cache_dir:
-        results = run_on_ranks(
-            _rank,
-            args.world_size,
-            args.steps,
-            args.device,
-            cache_dir,
-            backend=backend,
-            timeout=1200,
-        )
+        settings = Settings(args.steps, args.device, cache_dir, args.batch, args.sync_alone)
+        results = run_on_ranks(_rank, args.world_size, settings, backend=backend, timeout=1200)
     info = machine_info()
     text = _render(results, info, args)
     args.out.write_text(text)

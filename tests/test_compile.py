@@ -134,7 +134,8 @@ class _Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.bn1 = syncbn.SyncBatchNorm(3)
-        self.bn2 = syncbn.SyncBatchNorm(3, momentum=None)
+        # no weight: the empty rank's backward collective is kept all the same
+        self.bn2 = syncbn.SyncBatchNorm(3, momentum=None, affine=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.bn2(torch.relu(self.bn1(x))) + x)

@@ -377,3 +377,18 @@ def test_compiled_masked_calls_match_the_gathered_reference(pool: WorkerPool) ->
     """aot_eager: dynamo and AOTAutograd around the custom op, as inductor sees them."""
     case = dataclasses.replace(_RANK_CASES["empty-rank"], mode="aot_eager")
     _assert_matches(case, pool.run(_run_masked, case, timeout=240.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_zero_padded_equals_where_whatever_the_padded_values(dtype: torch.dtype) -> None:
+    from syncbn._kernels.generic import zero_padded
+
+    x = torch.randn(3, 4, 5).to(dtype)
+    x[0, 1, 2], x[1, 2, 3], x[2, 0, 0] = float("nan"), float("inf"), -float("inf")
+    valid = (torch.rand(3, 1, 5) < 0.5).expand(3, 1, 5)
+    valid[0, 0, 2] = valid[1, 0, 3] = valid[2, 0, 0] = False
+    expected = torch.where(valid, x, 0.0)
+    got = zero_padded(x, valid)
+    assert torch.equal(got, expected) and got.dtype == dtype
+    assert not bool(torch.signbit(got[~valid.expand_as(x)]).any())  # +0.0, not -0.0
+    assert torch.equal(zero_padded(x.clone(), valid, inplace=True), expected)

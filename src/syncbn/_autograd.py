@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from syncbn import _protocol, _stats, distributed
+from syncbn._composite import mask_problem, valid_positions
 from syncbn._kernels import kernels_for
 
 __all__ = [
@@ -40,7 +41,6 @@ __all__ = [
     "sync_batch_norm_train",
     "sync_moments",
     "sync_moments_backward",
-    "sync_moments_train",
     "reducer_for",
     "synchronize_moments",
 ]
@@ -245,6 +245,8 @@ class ForwardResult(NamedTuple):
     saved: torch.Tensor
     #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
     global_count: int | torch.Tensor
+    #: ``(N, 1, *)`` bool, True at the valid positions of a masked call; ``None`` unmasked
+    valid: torch.Tensor | None = None
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -334,25 +336,36 @@ def forward_train(
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
+    mask: torch.Tensor | None = None,
 ) -> ForwardResult:
     """Normalize ``input`` with the global batch's statistics; update the running statistics.
 
-    Any exception before the collective (invalid input, an error in the local maths)
-    joins the collective with the error flag and is re-raised, so that the other ranks
-    raise promptly instead of waiting for the process group's timeout.
+    Any exception before the collective (invalid input or mask, an error in the local
+    maths) joins the collective with the error flag and is re-raised, so that the other
+    ranks raise promptly instead of waiting for the process group's timeout.
+
+    Args:
+        mask: bool, True at the valid positions (the input's shape without the channel
+            dimension, or broadcastable to it), or ``None``. See :attr:`ForwardResult.valid`.
     """
     # where the layer's parameters live, and so the other ranks' buffers
     per_channel = first_given(weight, bias, running_mean, running_var)
     device = input.device if per_channel is None else per_channel.device
     num_channels = options.layer.num_features
     kernels = kernels_for(input.device)
+    valid = None
     with join_on_error(options, "forward", device):
         mode = _resolve_mode(options, device)
         problem = input_problem(input, num_channels, device)
+        if problem is None and mask is not None:
+            problem = mask_problem(mask, input)
         if problem is not None:
             raise problem
-        local_count = input.numel() // num_channels
-        moments = kernels.local_moments(input)
+        local_count: int | torch.Tensor = input.numel() // num_channels
+        if mask is not None:
+            valid = valid_positions(mask, input)
+            local_count = valid.sum(dtype=_protocol.PACK_DTYPE)
+        moments = kernels.local_moments(input, valid)
         buffer = _protocol.pack_forward(
             local_count, moments.total, moments.square_total, options.layer.fingerprint
         )
@@ -367,8 +380,8 @@ def forward_train(
     )
     scale = _stats.scale(var, options.eps, weight)
     saved = torch.stack([mean, var, scale]).to(_stats.stat_dtype(input.dtype))
-    output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps)
-    return ForwardResult(output, saved, count)
+    output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps, valid)
+    return ForwardResult(output, saved, count, valid)
 
 
 def backward_train(
@@ -378,17 +391,24 @@ def backward_train(
     count: int | torch.Tensor,
     needs_grad: tuple[bool, bool, bool],
     options: TrainOptions,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of input, weight and bias (``None`` where ``needs_grad`` is false).
 
     The collective happens only when the input needs a gradient, which is the same on
     every rank. An exception before it joins it with the error flag, as in forward.
+    A masked call (``valid``) zeroes the output gradient and the input at padded
+    positions first (whatever they hold, they then add nothing to the sums), and the
+    input gradient there last.
     """
     need_input, need_weight, need_bias = needs_grad
     mean, var, _ = saved.unbind()
     kernels = kernels_for(input.device)
     joining = join_on_error(options, "backward", saved.device)
     with joining if need_input else contextlib.nullcontext():
+        if valid is not None:
+            grad_output = kernels.zero_padded(grad_output, valid)
+            input = kernels.zero_padded(input, valid)
         sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
         if need_input:
             buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
@@ -396,6 +416,8 @@ def backward_train(
     if need_input:
         totals = _synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(grad_output, input, saved, options.eps, totals, count)
+        if valid is not None:
+            grad_input = kernels.zero_padded(grad_input, valid, inplace=True)
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
 
 
@@ -478,11 +500,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         running_var: torch.Tensor | None,
         num_batches_tracked: torch.Tensor | None,
         options: TrainOptions,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         result = forward_train(
-            input, weight, bias, running_mean, running_var, num_batches_tracked, options
+            input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
-        ctx.save_for_backward(input, result.saved)
+        ctx.save_for_backward(input, result.saved, result.valid)
         ctx.count = result.global_count
         ctx.options = options
         ctx.param_dtypes = (
@@ -496,15 +519,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        input, saved = ctx.saved_tensors
+        input, saved, valid = ctx.saved_tensors
         grad_input, grad_weight, grad_bias = backward_train(
-            grad_output, input, saved, ctx.count, tuple(ctx.needs_input_grad[:3]), ctx.options
+            grad_output,
+            input,
+            saved,
+            ctx.count,
+            tuple(ctx.needs_input_grad[:3]),
+            ctx.options,
+            valid,
         )
         weight_dtype, bias_dtype = ctx.param_dtypes
         return (
             grad_input,
             _cast(grad_weight, weight_dtype),
             _cast(grad_bias, bias_dtype),
+            None,
             None,
             None,
             None,
@@ -527,106 +557,20 @@ def sync_batch_norm_train(
     running_mean: torch.Tensor | None = None,
     running_var: torch.Tensor | None = None,
     num_batches_tracked: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalize ``input`` with the statistics of the global batch of ``options.reducer``.
 
     ``running_mean`` and ``running_var``, those given, move towards the global mean and
     unbiased variance by ``options.momentum`` in place, and ``num_batches_tracked`` counts
-    the call, except in a forward recomputed by activation checkpointing.
+    the call, except in a forward recomputed by activation checkpointing. With a ``mask``,
+    the statistics are those of the valid positions, and padded positions of the output
+    and of the input gradient are zero.
 
     Returns:
         The normalized output (differentiable with respect to input, weight and bias).
     """
     output: torch.Tensor = _SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, options
+        input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
     )
     return output
-
-
-class _SyncMomentsFunction(torch.autograd.Function):
-    """The global mean and scale from one rank's shifted sums, reduced over a process group."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        count: torch.Tensor,
-        shifted_sum: torch.Tensor,
-        shifted_square_sum: torch.Tensor,
-        shift: torch.Tensor,
-        weight: torch.Tensor | None,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        num_batches_tracked: torch.Tensor | None,
-        options: TrainOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, var, global_count = sync_moments(
-            count,
-            shifted_sum,
-            shifted_square_sum,
-            shift,
-            running_mean,
-            running_var,
-            num_batches_tracked,
-            options,
-        )
-        inverse_std = _stats.scale(var, options.eps, None)
-        ctx.save_for_backward(mean, inverse_std, shift, weight)
-        ctx.count = global_count
-        ctx.options = options
-        ctx.sum_dtype = shifted_sum.dtype
-        return mean, inverse_std if weight is None else inverse_std * weight
-
-    @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_mean: torch.Tensor, grad_scale: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        mean, inverse_std, shift, weight = ctx.saved_tensors
-        grad_sum, grad_square_sum, grad_weight = sync_moments_backward(
-            grad_mean, grad_scale, mean, inverse_std, shift, weight, ctx.count, ctx.options
-        )
-        return (
-            None,
-            grad_sum.to(ctx.sum_dtype),
-            grad_square_sum.to(ctx.sum_dtype),
-            None,
-            _cast(grad_weight, None if weight is None else weight.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-def sync_moments_train(
-    count: torch.Tensor,
-    shifted_sum: torch.Tensor,
-    shifted_square_sum: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    *,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    options: TrainOptions,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sync_moments` as a differentiable step (eager mode).
-
-    Returns:
-        The global mean and ``scale = weight / sqrt(var + eps)`` (float64), whose gradients
-        reach the shifted sums through one collective in backward, and the weight.
-    """
-    mean: torch.Tensor
-    scale: torch.Tensor
-    mean, scale = _SyncMomentsFunction.apply(
-        count,
-        shifted_sum,
-        shifted_square_sum,
-        shift,
-        weight,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        options,
-    )
-    return mean, scale

@@ -37,10 +37,11 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 
-from syncbn import _stats, distributed
+from syncbn import _composite, _stats, distributed
 from syncbn._autograd import (
     LayerInfo,
     TrainOptions,
+    first_given,
     input_problem,
     join_on_error,
     reducer_for,
@@ -51,11 +52,10 @@ from syncbn._composite import mask_problem
 
 __all__ = [
     "SyncSite",
-    "fail_forward",
     "is_compiling",
     "leaf_call_when_fx_traced",
     "register_site",
-    "synchronizer",
+    "sync_batch_norm_train",
 ]
 
 
@@ -342,23 +342,18 @@ def _keep_in_graph(op: torch._ops.OpOverload) -> None:
         keep(op)
 
 
-def synchronizer(
+def _synchronizer(
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
-    group_name: str = "",
-    eps: float = 1e-5,
-    momentum: float | None = None,
-) -> Any:
+    group_name: str,
+    eps: float,
+    momentum: float | None,
+) -> _composite.Synchronize:
     """The ``synchronize`` step of :func:`syncbn._composite.batch_norm_train` in a compiled
     graph: the ``syncbn::sync_moments`` op, whose new running statistics are copied into
-    the buffers.
-
-    Args:
-        site_key: the layer's key (:func:`register_site`), or 0 for a functional call,
-            which names its process group (``""``: the default group), eps and momentum.
-    """
+    the buffers."""
 
     def synchronize(
         count: torch.Tensor,
@@ -390,26 +385,51 @@ def synchronizer(
     return synchronize
 
 
-def fail_forward(
+def sync_batch_norm_train(
     input: torch.Tensor,
-    anchor: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     mask: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    *,
     num_features: int,
+    eps: float,
+    momentum: float | None,
     site_key: int,
     group_name: str = "",
 ) -> torch.Tensor:
-    """A compiled call whose input (or mask) is invalid: at run time, joins the collective
-    with the error flag and raises the problem on this rank (the others raise too).
+    """A synchronized (or masked) training call while dynamo traces: :mod:`syncbn._composite`
+    around the ``syncbn::sync_moments`` op.
+
+    An input (or mask) that tracing finds invalid compiles to ``syncbn::fail_forward``:
+    at run time it joins the collective with the error flag and raises, on every rank.
 
     Args:
-        anchor: a tensor on the device of the layer's buffers (the collective's device).
+        num_features: the layer's channel count (an input with another count is invalid).
+        site_key: the layer's key (:func:`register_site`), or 0 for a functional call,
+            whose ops name its process group by ``group_name`` (``""``: the default group)
+            and take ``eps`` and ``momentum``.
     """
-    output: torch.Tensor = torch.ops.syncbn.fail_forward(
-        input.detach(),
-        anchor.detach(),
-        None if mask is None else mask.detach(),
-        site_key,
-        group_name,
-        num_features,
+    per_channel = first_given(weight, bias, running_mean, running_var)
+    anchor = input if per_channel is None else per_channel  # where the buffers live
+    problem = input_problem(input, num_features, anchor.device)
+    if problem is None and mask is not None:
+        problem = mask_problem(mask, input)
+    if problem is not None:
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise problem  # not a tensor: a programming error, the same on every rank
+        output: torch.Tensor = torch.ops.syncbn.fail_forward(
+            input.detach(),
+            anchor.detach(),
+            None if mask is None else mask.detach(),
+            site_key,
+            group_name,
+            num_features,
+        )
+        return output
+    synchronize = _synchronizer(
+        running_mean, running_var, num_batches_tracked, site_key, group_name, eps, momentum
     )
-    return output
+    return _composite.batch_norm_train(input, weight, bias, mask, synchronize)

@@ -2,11 +2,11 @@
 
 The eager path (:mod:`syncbn._autograd`) runs fused kernels with a hand-written backward.
 This module spells the same maths as plain, differentiable torch ops instead, so that
-
-- under ``torch.compile`` every pass over the big tensors is in the graph, where inductor
-  fuses the moments with the op before and the normalization with the op after (the ReLU,
-  the residual add), and autograd derives the backward reductions and the input gradient;
-- a mask of valid positions (padded batches) is a ``torch.where`` in those passes.
+under ``torch.compile`` every pass over the big tensors is in the graph, where inductor
+fuses the moments with the op before and the normalization with the op after (the ReLU,
+the residual add), and autograd derives the backward reductions and the input gradient.
+A mask of valid positions (padded batches) is a ``torch.where`` in those passes. It also
+holds the mask helpers that both paths share.
 
 Only the per-channel step is opaque: a ``synchronize`` callable takes one rank's count
 and shifted sums, and the weight, and returns the global mean and
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from syncbn import _stats
+from syncbn._kernels.generic import first_valid_sample
 
 __all__ = [
     "ShiftedMoments",
@@ -40,6 +41,7 @@ __all__ = [
     "mask_problem",
     "normalize",
     "shifted_moments",
+    "valid_positions",
     "zero_padded",
 ]
 
@@ -94,22 +96,9 @@ def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     return vector.view([1, -1] + [1] * (ndim - 2))
 
 
-def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[n, :, i, j, ...]`` at the flat position ``index`` (shape ``(1,)``) of ``(N, *)``.
-
-    A ``(C,)`` tensor. ``index`` stays a tensor (no host read), and ``index_select``
-    rather than indexing keeps it so under ``torch.compile`` too.
-    """
-    sizes = [x.shape[0], *x.shape[2:]]
-    coordinates = []
-    for size in reversed(sizes[1:]):
-        coordinates.append(index % size)
-        index = index // size
-    coordinates.append(index)
-    dims = [0, *range(2, x.dim())]
-    for dim, coordinate in zip(dims, reversed(coordinates)):
-        x = x.index_select(dim, coordinate)
-    return x.reshape(x.shape[1])
+def valid_positions(mask: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``mask`` as an ``(N, 1, *)`` bool view that broadcasts against ``input``'s ``(N, C, *)``."""
+    return mask.expand((input.shape[0], *input.shape[2:])).unsqueeze(1)
 
 
 def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> ShiftedMoments:
@@ -129,14 +118,9 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
         shift = detached[first] if x.numel() else x.new_zeros(num_channels)
         centered = x - _channel_view(shift, ndim)
     else:
-        valid = mask.expand((x.shape[0], *x.shape[2:])).unsqueeze(1)
+        valid = valid_positions(mask, x)
         count = valid.sum(dtype=torch.float64)
-        if valid.numel():
-            flat = valid.reshape(-1)
-            index = flat.to(torch.int32).argmax().view(1)  # the first valid position, if any
-            shift = torch.where(flat.index_select(0, index), _at_position(detached, index), 0.0)
-        else:
-            shift = x.new_zeros(num_channels)
+        shift = first_valid_sample(detached, valid)
         centered = torch.where(valid, x - _channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]
     return ShiftedMoments(
@@ -206,5 +190,4 @@ def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     """``output`` with zeros at the padded positions of ``mask`` (eval mode)."""
     if mask is None:
         return output
-    valid = mask.expand((output.shape[0], *output.shape[2:])).unsqueeze(1)
-    return torch.where(valid, output, 0.0)
+    return torch.where(valid_positions(mask, output), output, 0.0)

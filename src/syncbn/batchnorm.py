@@ -22,7 +22,6 @@ from syncbn._autograd import (
     sync_batch_norm_train,
 )
 from syncbn._protocol import CHECK_MODES, fingerprint
-from syncbn.functional import composite_train
 
 __all__ = ["SyncBatchNorm"]
 
@@ -246,8 +245,8 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         num_batches_tracked = self.num_batches_tracked if tracking else None
-        if mask is not None or _compiled.is_compiling():
-            return composite_train(
+        if _compiled.is_compiling():
+            return _compiled.sync_batch_norm_train(
                 input,
                 self.weight,
                 self.bias,
@@ -258,7 +257,6 @@ class SyncBatchNorm(_BatchNorm):
                 num_features=self.num_features,
                 eps=self.eps,
                 momentum=self.momentum,
-                options=self.next_train_options,
                 site_key=self._site_key,
             )
         return sync_batch_norm_train(
@@ -269,6 +267,7 @@ class SyncBatchNorm(_BatchNorm):
             running_mean=running_mean,
             running_var=running_var,
             num_batches_tracked=num_batches_tracked,
+            mask=mask,
         )
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

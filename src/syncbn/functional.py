@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -15,10 +13,8 @@ from syncbn._autograd import (
     first_given,
     input_problem,
     is_recomputing,
-    join_on_error,
     reducer_for,
     sync_batch_norm_train,
-    sync_moments_train,
 )
 
 __all__ = ["sync_batch_norm"]
@@ -90,9 +86,7 @@ def sync_batch_norm(
         )
     world_size = distributed.get_world_size(process_group) if training else 1
     per_channel = first_given(weight, bias, running_mean, running_var)
-    # masked training, and synchronized training under torch.compile: composite torch ops
-    composite = training and (mask is not None or (world_size > 1 and _compiled.is_compiling()))
-    if world_size <= 1 and not composite:
+    if world_size <= 1 and (mask is None or not training):
         problem = input_problem(
             input,
             None if per_channel is None else per_channel.numel(),
@@ -112,13 +106,8 @@ def sync_batch_norm(
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     num_features = input.shape[1] if per_channel is None else per_channel.numel()
-
-    def options() -> TrainOptions:
-        return TrainOptions(reducer_for(process_group), LayerInfo("", num_features), eps, momentum)
-
-    if composite:
-        group_name = "" if process_group is None else process_group.group_name
-        return composite_train(
+    if _compiled.is_compiling():
+        return _compiled.sync_batch_norm_train(
             input,
             weight,
             bias,
@@ -129,66 +118,16 @@ def sync_batch_norm(
             num_features=num_features,
             eps=eps,
             momentum=momentum,
-            options=options,
             site_key=0,
-            group_name=group_name,
+            group_name="" if process_group is None else process_group.group_name,
         )
+    options = TrainOptions(reducer_for(process_group), LayerInfo("", num_features), eps, momentum)
     return sync_batch_norm_train(
-        input, weight, bias, options(), running_mean=running_mean, running_var=running_var
-    )
-
-
-def composite_train(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    *,
-    num_features: int,
-    eps: float,
-    momentum: float | None,
-    options: Callable[[], TrainOptions],
-    site_key: int,
-    group_name: str = "",
-) -> torch.Tensor:
-    """A training call as composite torch ops around one synchronizing step
-    (:mod:`syncbn._composite`): under ``torch.compile``, and for masked calls.
-
-    Args:
-        num_features: the layer's channel count (an input with another count is invalid).
-        options: the call's options, for eager mode (calling it counts a layer's call).
-        site_key: the layer's key for the compiled ops, or 0 for a functional call, whose
-            ops name its process group by ``group_name`` and take ``momentum``.
-    """
-    per_channel = first_given(weight, bias, running_mean, running_var)
-    anchor = input if per_channel is None else per_channel  # where the buffers live
-    problem = input_problem(input, num_features, anchor.device)
-    if problem is None and mask is not None:
-        problem = _composite.mask_problem(mask, input)
-    if _compiled.is_compiling():
-        if problem is not None and (mask is None or isinstance(mask, torch.Tensor)):
-            # known while tracing: at run time the op joins the collective and raises
-            return _compiled.fail_forward(input, anchor, mask, num_features, site_key, group_name)
-        if problem is not None:
-            raise problem  # a mask that is not a tensor: a programming error on every rank
-        synchronize = _compiled.synchronizer(
-            running_mean, running_var, num_batches_tracked, site_key, group_name, eps, momentum
-        )
-        return _composite.batch_norm_train(input, weight, bias, mask, synchronize)
-    call_options = options()
-    with join_on_error(call_options, "forward", anchor.device):
-        if problem is not None:
-            raise problem
-        moments = _composite.shifted_moments(input, mask)
-    mean, scale = sync_moments_train(
-        *moments[:4],
+        input,
         weight,
+        bias,
+        options,
         running_mean=running_mean,
         running_var=running_var,
-        num_batches_tracked=num_batches_tracked,
-        options=call_options,
+        mask=mask,
     )
-    return _composite.normalize(input, moments, mean, scale, bias)

@@ -29,7 +29,9 @@ __all__ = ["Kernels", "LocalMoments", "kernels_for"]
 class Kernels(Protocol):
     """The four passes of a synchronized training call (see :mod:`syncbn._kernels.generic`)."""
 
-    def local_moments(self, input: torch.Tensor) -> LocalMoments: ...
+    def local_moments(
+        self, input: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> LocalMoments: ...
 
     def normalize(
         self,
@@ -41,6 +43,11 @@ class Kernels(Protocol):
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         eps: float,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def zero_padded(
+        self, tensor: torch.Tensor, valid: torch.Tensor, inplace: bool = False
     ) -> torch.Tensor: ...
 
     def backward_reduce(
