@@ -22,7 +22,7 @@ Usage::
 
     python benchmarks/gpu.py                     # all parts, ~5 min on an H100
     python benchmarks/gpu.py --parts layers step --quick
-    python benchmarks/gpu.py --parts step --out gpu-results/step  # one part per command, in its folder
+    python benchmarks/gpu.py --parts step --out gpu-results/step  # one part, its own folder
 """
 
 from __future__ import annotations
