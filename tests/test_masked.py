@@ -392,3 +392,24 @@ def test_zero_padded_equals_where_whatever_the_padded_values(dtype: torch.dtype)
     assert torch.equal(got, expected) and got.dtype == dtype
     assert not bool(torch.signbit(got[~valid.expand_as(x)]).any())  # +0.0, not -0.0
     assert torch.equal(zero_padded(x.clone(), valid, inplace=True), expected)
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = syncbn.SyncBatchNorm(3)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, mask = batch
+        return self.bn(x, mask)
+
+
+def test_precise_statistics_count_the_valid_positions_only() -> None:
+    """recompute_statistics sees the mask the model passes: padding (NaN here) is left out."""
+    case = MaskedCase(sizes=(4,), valid=(0.6,), tail=(3, 9), steps=3)
+    batches = [case.data(0, step)[:2] for step in range(case.steps)]
+    model = _MaskedBlock().double()
+    syncbn.recompute_statistics(model, batches)
+    rows = torch.cat([_valid_rows(x, mask) for x, mask in batches])
+    torch.testing.assert_close(model.bn.running_mean, rows.mean(0))
+    torch.testing.assert_close(model.bn.running_var, rows.var(0))  # unbiased, as torch's

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _protocol, _stats, distributed
+from syncbn import _composite, _protocol, _stats, distributed
 from syncbn._kernels import kernels_for
 
 __all__ = ["recompute_statistics"]
@@ -34,14 +34,24 @@ def _record_moments(
     batch's own mean and variance into its running statistics, which the layer, in eval mode,
     then normalizes with: the output of training mode, without communicating and without
     updating anything. A batch of one sample per channel (or none) is valid here, since only
-    the moments summed over all batches and ranks matter.
+    the moments summed over all batches and ranks matter. A synchronized layer called with a
+    mask counts its valid positions only.
     """
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         input = args[0] if args else kwargs["input"]
         layer._check_input_dim(input)
+        # a synchronized layer's mask of valid positions (padded batches), if the model gives one
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        valid = None
         count = input.numel() // input.shape[1]
-        moments = kernels_for(input.device).local_moments(input)
+        if mask is not None:
+            problem = _composite.mask_problem(mask, input)
+            if problem is not None:
+                raise problem
+            valid = _composite.valid_positions(mask, input)
+            count = int(valid.sum()) if input.numel() else 0
+        moments = kernels_for(input.device).local_moments(input, valid)
         packed = _protocol.pack_forward(count, moments.total, moments.square_total, 0)
         sums[id(layer)] = packed if id(layer) not in sums else sums[id(layer)] + packed
         local_sums = torch.stack([moments.total, moments.square_total])
