@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from syncbn import _stats
-from syncbn._kernels.generic import first_valid_sample
+from syncbn._kernels.generic import channel_view, first_valid_sample
 
 __all__ = [
     "ShiftedMoments",
@@ -92,10 +92,6 @@ def mask_problem(mask: torch.Tensor, input: torch.Tensor) -> Exception | None:
     return None
 
 
-def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
-    return vector.view([1, -1] + [1] * (ndim - 2))
-
-
 def valid_positions(mask: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     """``mask`` as an ``(N, 1, *)`` bool view that broadcasts against ``input``'s ``(N, C, *)``."""
     return mask.expand((input.shape[0], *input.shape[2:])).unsqueeze(1)
@@ -116,12 +112,12 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
         count = x.new_full((), x.numel() // num_channels, dtype=torch.float64)
         first = (0, slice(None)) + (0,) * (ndim - 2)
         shift = detached[first] if x.numel() else x.new_zeros(num_channels)
-        centered = x - _channel_view(shift, ndim)
+        centered = x - channel_view(shift, ndim)
     else:
         valid = valid_positions(mask, x)
         count = valid.sum(dtype=torch.float64)
         shift = first_valid_sample(detached, valid)
-        centered = torch.where(valid, x - _channel_view(shift, ndim), 0.0)
+        centered = torch.where(valid, x - channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]
     return ShiftedMoments(
         count,
@@ -151,7 +147,7 @@ def normalize(
         offset = offset + bias.to(torch.float64)
     centered = moments.centered
     ndim, dtype = centered.dim(), centered.dtype
-    output = centered * _channel_view(scale.to(dtype), ndim) + _channel_view(offset.to(dtype), ndim)
+    output = centered * channel_view(scale.to(dtype), ndim) + channel_view(offset.to(dtype), ndim)
     if moments.valid is not None:
         output = torch.where(moments.valid, output, 0.0)
     return output.to(input.dtype)

@@ -19,6 +19,7 @@ from syncbn._stats import stat_dtype, unshifted_sums
 __all__ = [
     "LocalMoments",
     "backward_reduce",
+    "channel_view",
     "first_valid_sample",
     "input_grad",
     "local_moments",
@@ -42,7 +43,7 @@ class LocalMoments(NamedTuple):
     centered: torch.Tensor | None
 
 
-def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
+def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     """View a ``(C,)`` vector so it broadcasts against an ``(N, C, *)`` tensor of ``ndim`` dims."""
     return vector.view([1, -1] + [1] * (ndim - 2))
 
@@ -155,7 +156,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     else:
         count = valid.sum(dtype=_PACK_DTYPE)
         x = input.detach().to(stat_dtype(input.dtype))
-        shift = _channel_view(first_valid_sample(x, valid), input.dim())
+        shift = channel_view(first_valid_sample(x, valid), input.dim())
         centered = zero_padded(torch.sub(x, shift), valid, inplace=True)
     zeros, ones, empty = _constants(num_channels, shift.dtype, shift.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
@@ -217,8 +218,8 @@ def normalize(
     shifted = moments.shift.view(-1) - mean
     offset = shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
     ndim = centered.dim()
-    scaled = centered.mul_(_channel_view(scale.to(dtype), ndim))
-    offset = _channel_view(offset.to(dtype), ndim)
+    scaled = centered.mul_(channel_view(scale.to(dtype), ndim))
+    offset = channel_view(offset.to(dtype), ndim)
     if valid is None:
         return scaled.add_(offset)
     return scaled.addcmul_(valid.to(dtype), offset)
@@ -289,4 +290,4 @@ def input_grad(
     if scale.dtype != grad_output.dtype:
         # low precision: a mixed-dtype addcmul_ is ~25x slower than one in the gradient's dtype
         scale = scale.to(grad_output.dtype)
-    return correction.addcmul_(grad_output, _channel_view(scale, input.dim()))
+    return correction.addcmul_(grad_output, channel_view(scale, input.dim()))
