@@ -13,8 +13,6 @@ and the running statistics are updated with device-side factors.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -225,16 +223,30 @@ def _join_with_error(options: TrainOptions, phase: str, device: torch.device) ->
         pass
 
 
-@contextlib.contextmanager
-def join_on_error(options: TrainOptions, phase: str, device: torch.device) -> Iterator[None]:
+class join_on_error:  # noqa: N801 - used like a function: `with join_on_error(...):`
     """Run the local part of a call; on an exception, join ``phase``'s collective with the
     error flag (so that the other ranks raise promptly instead of waiting for the process
-    group's timeout) and re-raise it."""
-    try:
-        yield
-    except Exception:
-        _join_with_error(options, phase, device)
-        raise
+    group's timeout) and re-raise it.
+
+    A class rather than a ``contextlib.contextmanager`` generator: it is entered on every
+    training call, and costs a fraction of a generator's setup. ``enabled=False`` makes it
+    do nothing (a backward that joins no collective).
+    """
+
+    __slots__ = ("device", "enabled", "options", "phase")
+
+    def __init__(
+        self, options: TrainOptions, phase: str, device: torch.device, enabled: bool = True
+    ) -> None:
+        self.options, self.phase, self.device, self.enabled = options, phase, device, enabled
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: Any, traceback: Any) -> None:
+        if self.enabled and kind is not None and issubclass(kind, Exception):
+            _join_with_error(self.options, self.phase, self.device)
+        # returning None re-raises the exception
 
 
 class ForwardResult(NamedTuple):
@@ -404,8 +416,7 @@ def backward_train(
     need_input, need_weight, need_bias = needs_grad
     mean, var, _ = saved.unbind()
     kernels = kernels_for(input.device)
-    joining = join_on_error(options, "backward", saved.device)
-    with joining if need_input else contextlib.nullcontext():
+    with join_on_error(options, "backward", saved.device, enabled=need_input):
         if valid is not None:
             grad_output = kernels.zero_padded(grad_output, valid)
             input = kernels.zero_padded(input, valid)
@@ -450,7 +461,8 @@ def sync_moments(
                 f"expected input with {num_channels} channels (num_features={num_channels}), "
                 f"got input with {shifted_sum.numel()} channels"
             )
-        total, square_total = _stats.unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
+        sums, square_sums, shifts = torch.stack([shifted_sum, shifted_square_sum, shift]).double()
+        total, square_total = _stats.unshifted_sums(sums, square_sums, shifts, count)
         buffer = _protocol.pack_forward(count, total, square_total, options.layer.fingerprint)
     return synchronize_moments(
         buffer, mode, running_mean, running_var, num_batches_tracked, options

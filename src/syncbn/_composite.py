@@ -177,7 +177,8 @@ def local_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A :data:`Synchronize` step of one process that updates nothing: the local mean and
     scale (eval mode without running statistics; bind ``eps`` with functools.partial)."""
-    total, square_total = _stats.unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
+    sums, square_sums, shifts = torch.stack([shifted_sum, shifted_square_sum, shift]).double()
+    total, square_total = _stats.unshifted_sums(sums, square_sums, shifts, count)
     mean, var = _stats.global_moments(torch.stack([total, square_total]), count)
     return mean, _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
 

@@ -49,13 +49,10 @@ def unshifted_sums(
     ``sum(x**2) = sum((x - k)**2) + k (sum(x - k) + sum(x))``.
 
     Args:
-        shifted_sum, shifted_square_sum: ``(C,)`` sums of ``x - shift`` and its square.
-        shift: ``(C,)`` the per-channel shift ``k``.
+        shifted_sum, shifted_square_sum: ``(C,)`` float64 sums of ``x - shift`` and its square.
+        shift: ``(C,)`` float64, the per-channel shift ``k``.
         count: the number of values summed per channel ``n``, a number or a 0-dim tensor.
     """
-    shifted_sum, shifted_square_sum, shift = (
-        t.to(torch.float64) for t in (shifted_sum, shifted_square_sum, shift)
-    )
     if isinstance(count, torch.Tensor):
         total = torch.addcmul(shifted_sum, shift, count.to(torch.float64))
     else:

@@ -215,7 +215,7 @@ def normalize(
             False,
         )
         return output if valid is None else zero_padded(output, valid, inplace=True)
-    shifted = moments.shift.view(-1) - mean
+    shifted = moments.shift - mean
     offset = shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
     ndim = centered.dim()
     scaled = centered.mul_(channel_view(scale.to(dtype), ndim))
