@@ -470,8 +470,8 @@ def sync_moments(
 
 
 def sync_moments_backward(
-    grad_mean: torch.Tensor | None,
-    grad_scale: torch.Tensor | None,
+    grad_mean: torch.Tensor,
+    grad_scale: torch.Tensor,
     mean: torch.Tensor,
     inverse_std: torch.Tensor,
     shift: torch.Tensor,
@@ -487,14 +487,9 @@ def sync_moments_backward(
     gradients are summed over the ranks (one all-reduce of ``2 * C`` values) before
     :func:`syncbn._stats.moment_grads` takes them back to each rank's sums.
     """
-    zeros = torch.zeros_like(mean)
-    grad_var, grad_weight = _stats.scale_grads(
-        zeros if grad_scale is None else grad_scale, inverse_std, weight
-    )
     with join_on_error(options, "backward", mean.device):
-        buffer = _protocol.pack_backward(
-            zeros if grad_mean is None else grad_mean, grad_var, options.layer.fingerprint
-        )
+        grad_var, grad_weight = _stats.scale_grads(grad_scale, inverse_std, weight)
+        buffer = _protocol.pack_backward(grad_mean, grad_var, options.layer.fingerprint)
     grad_mean, grad_var = _synchronize_grads(buffer, options, mean.device)
     return (*_stats.moment_grads(grad_mean, grad_var, mean, shift, count), grad_weight)
 

@@ -3,19 +3,19 @@
 The eager path (:mod:`syncbn._autograd`) runs fused kernels with a hand-written backward.
 This module spells the same maths as plain, differentiable torch ops instead, so that
 under ``torch.compile`` every pass over the big tensors is in the graph, where inductor
-fuses the moments with the op before and the normalization with the op after (the ReLU,
-the residual add), and autograd derives the backward reductions and the input gradient.
+fuses the normalization with the elementwise ops after it (the ReLU, the residual add),
+and autograd derives the backward reductions and the input gradient.
 A mask of valid positions (padded batches) is a ``torch.where`` in those passes. It also
 holds the mask helpers that both paths share.
 
 Only the per-channel step is opaque: a ``synchronize`` callable takes one rank's count
 and shifted sums, and the weight, and returns the global mean and
 ``scale = weight / sqrt(var + eps)`` (one collective in forward, one in backward, the
-checks and the running statistics; see :func:`syncbn._autograd.sync_moments_train` and
-its compiled twin in :mod:`syncbn._compiled`). The weight goes through the step so that
-its gradient needs the step's backward: a compiler keeps that backward, and its
-collective, on a rank whose local batch is empty (where the input's gradient is empty
-and needs nothing).
+checks and the running statistics: :func:`syncbn._autograd.sync_moments`, which the custom
+op of :mod:`syncbn._compiled` runs). The weight goes through the step (its gradient needs
+the step's backward) and the ops are registered as having side effects, so that a compiler
+keeps the backward collective on a rank whose local batch is empty, where the input's
+gradient is empty and needs nothing.
 
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
 values per channel (no cancellation for inputs whose mean is large compared with their
