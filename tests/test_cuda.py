@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from test_masked import MaskedCase, _assert_matches, _run_masked
 from torch import nn
 
 import syncbn
@@ -264,3 +265,25 @@ def test_fullgraph_compile_on_cuda_equals_eager(pool2: WorkerPool, mode: str) ->
     for result in pool2.run(_compiled_cuda, mode, timeout=300.0):
         for key, value in result["eager"].items():
             torch.testing.assert_close(result["compiled"][key], value, rtol=1e-4, atol=1e-5)
+
+
+MASKED = {
+    "eager": MaskedCase(sizes=(4, 0), valid=(0.6, 0.7), device="cuda"),
+    "eager-immediate": MaskedCase(
+        sizes=(3, 2), valid=(0.6, 0.0), device="cuda", check_mode="immediate"
+    ),
+    "channels-last": MaskedCase(
+        sizes=(2, 3), valid=(0.7, 0.5), tail=(3, 4, 5), channels_last=True, device="cuda"
+    ),
+    "aot_eager": MaskedCase(sizes=(4, 0), valid=(0.6, 0.7), device="cuda", mode="aot_eager"),
+    "inductor": MaskedCase(sizes=(3, 2), valid=(0.6, 0.8), device="cuda", mode="inductor"),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+def test_masked_calls_on_cuda_match_the_gathered_reference(pool2: WorkerPool, name: str) -> None:
+    """Masked calls on CUDA (generic kernels, deferred checks; compiled: the composite ops)
+    equal torch.nn.BatchNorm1d on the valid positions of both ranks, in float64."""
+    case = MASKED[name]
+    _assert_matches(case, pool2.run(_run_masked, case, timeout=240.0))

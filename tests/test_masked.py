@@ -41,6 +41,10 @@ class MaskedCase:
     mode: str = "eager"
     #: a mask broadcast over the first spatial dimension (shape (N, 1, W) for (N, C, H, W))
     broadcast: bool = False
+    #: where the layer runs (tests/test_cuda.py runs these cases on "cuda")
+    device: str = "cpu"
+    #: the layer's check_mode ("auto": immediate on CPU, deferred on accelerators)
+    check_mode: str = "auto"
 
     def data(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's input, mask and output gradient at ``step`` (NaN where padded)."""
@@ -80,13 +84,14 @@ def _layer(case: MaskedCase) -> _Masked:
 def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
     """SyncBatchNorm on this rank's padded batches; returns what the gold test compares."""
     torch._dynamo.reset()
-    model = _layer(case)
+    model = _layer(case).to(case.device)
+    model.bn.check_mode = case.check_mode
     run: Any = model
     if case.mode != "eager":
         run = torch.compile(model, fullgraph=True, backend=case.mode)
     records = []
     for step in range(case.steps):
-        x, mask, grad = case.data(rank, step)
+        x, mask, grad = (t.to(case.device) for t in case.data(rank, step))
         x = x.to(case.dtype)
         if case.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -95,15 +100,17 @@ def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
         y.backward(grad.to(case.dtype))
         records.append(
             {
-                "output": y.detach().double(),
-                "grad_input": x.grad.double(),  # type: ignore[union-attr]
-                "grad_weight": model.bn.weight.grad.clone(),  # type: ignore[union-attr]
-                "grad_bias": model.bn.bias.grad.clone(),  # type: ignore[union-attr]
+                "output": y.detach().double().cpu(),
+                "grad_input": x.grad.double().cpu(),  # type: ignore[union-attr]
+                "grad_weight": model.bn.weight.grad.cpu(),  # type: ignore[union-attr]
+                "grad_bias": model.bn.bias.grad.cpu(),  # type: ignore[union-attr]
                 "channels_last": y.is_contiguous(memory_format=torch.channels_last),
             }
         )
         model.zero_grad()
-    return {"steps": records, "state": model.bn.state_dict()}
+    if case.check_mode != "immediate":
+        syncbn._protocol.raise_deferred(wait=True)  # a deferred problem fails the scenario
+    return {"steps": records, "state": {k: v.cpu() for k, v in model.bn.state_dict().items()}}
 
 
 def _valid_rows(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
