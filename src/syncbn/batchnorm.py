@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 from typing import Any
 
 import torch
@@ -13,24 +12,13 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn import _compiled, _composite, _conversion, distributed
-from syncbn._autograd import (
-    LayerInfo,
-    TrainOptions,
-    input_problem,
-    is_recomputing,
-    reducer_for,
-    sync_batch_norm_train,
-)
-from syncbn._protocol import CHECK_MODES, fingerprint
+from syncbn._autograd import input_problem, is_recomputing, sync_batch_norm_train
+from syncbn._layer_identity import LayerIdentity
 
 __all__ = ["SyncBatchNorm"]
 
-#: numbers SyncBatchNorm layers in construction order, per process: the identity of a layer
-#: that has no module path (``layer_name``) in the layer-order check
-_construction_order = itertools.count()
 
-
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(LayerIdentity, _BatchNorm):
     r"""Batch normalization over the global batch of all ranks of a process group.
 
     Applies Batch Normalization over an :math:`(N, C, *)` input, like
@@ -128,14 +116,10 @@ class SyncBatchNorm(_BatchNorm):
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
         self.process_group = process_group
-        self._construction_index = next(_construction_order)
-        self.layer_name = ""
-        self.check_layer_order = True
-        self.check_mode = "auto"
+        self._init_identity()  # layer_name, layer_identity, check settings, call count
         self.last_input_dim: int | None = None
         # the class this layer replaced in convert_sync_batchnorm (revert gives it back)
         self._original_class: type[_BatchNorm] | None = None
-        self._sync_calls = 0
         # tests and benchmarks only: synchronize through the process group even when it has
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
         self._sync_alone = False
@@ -157,78 +141,16 @@ class SyncBatchNorm(_BatchNorm):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: a new object needs its own key for the compiled ops
         # (the construction index is kept: it is the same layer of the same model code)
-        state = dict(state)
-        if "layer_name" in state:  # pickled by syncbn 0.1, where it was a plain attribute
-            state["_layer_name"] = state.pop("layer_name")
-        state.setdefault("_layer_name", "")
-        if "check_mode" in state:  # a plain attribute before it was validated
-            state["_check_mode"] = state.pop("check_mode")
-        state.setdefault("_check_mode", "auto")
+        state = self._upgrade_identity_state(state)
         state.setdefault("_sync_alone", False)
         state.setdefault("_original_class", None)
-        if "_construction_index" not in state:
-            state["_construction_index"] = next(_construction_order)
         super().__setstate__(state)
         self._site_key = _compiled.register_site(self)
-
-    @property
-    def check_mode(self) -> str:
-        """When the checks carried by each collective run (see the class docstring)."""
-        return self._check_mode
-
-    @check_mode.setter
-    def check_mode(self, mode: str) -> None:
-        if mode not in CHECK_MODES:
-            raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
-        self._check_mode = mode
-
-    @property
-    def layer_name(self) -> str:
-        """The layer's module path, set by :func:`syncbn.convert_sync_batchnorm` (or ``""``)."""
-        return self._layer_name
-
-    @layer_name.setter
-    def layer_name(self, name: str) -> None:
-        self._layer_name = name
-        # known to this process from now on: a mismatch error can name it as the other side
-        fingerprint(self.layer_identity, self.num_features)
-
-    @property
-    def layer_identity(self) -> str:
-        """The name that identifies this layer in the layer-order check, the same on every rank.
-
-        Its module path (``layer_name``, set by :func:`syncbn.convert_sync_batchnorm`), or for
-        a layer built directly ``"#k"``: the k-th SyncBatchNorm constructed in this process.
-        """
-        return self.layer_name or f"#{self._construction_index}"
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         problem = input_problem(input, self.num_features)
         if problem is not None:
             raise problem
-
-    def _layer_info(self, call_index: int | None) -> LayerInfo:
-        return LayerInfo(
-            self.layer_identity,
-            self.num_features,
-            call_index,
-            self.check_layer_order,
-            self.check_mode,
-        )
-
-    def _train_options(self, layer: LayerInfo) -> TrainOptions:
-        reducer = reducer_for(self.process_group, force=self._sync_alone)
-        return TrainOptions(reducer, layer, self.eps, self.momentum)
-
-    def next_train_options(self) -> TrainOptions:
-        """The options of this layer's next synchronized call; counts the call."""
-        layer = self._layer_info(self._sync_calls)
-        self._sync_calls += 1
-        return self._train_options(layer)
-
-    def last_train_options(self) -> TrainOptions:
-        """The options of this layer's calls, without a call index (for a compiled backward)."""
-        return self._train_options(self._layer_info(None))
 
     def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         traced = _compiled.leaf_call_when_fx_traced(self, input, mask=mask)
