@@ -109,24 +109,45 @@ def test_eval_uses_running_stats_or_local_batch(pool2: WorkerPool) -> None:
         assert result["untracked"] < 1e-5
 
 
-def _large_mean_statistics(rank: int, world_size: int, sizes: tuple[int, ...]) -> torch.Tensor:
+def _large_mean_statistics(
+    rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool
+) -> dict[str, torch.Tensor]:
+    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
     start = sum(sizes[:rank])
     bn = syncbn.SyncBatchNorm(4, momentum=1.0)  # running stats = this batch's statistics
-    bn(x[start : start + sizes[rank]])
+    run = torch.compile(bn, fullgraph=True, backend="aot_eager") if compiled else bn
+    output = run(x[start : start + sizes[rank]])
     assert bn.running_mean is not None and bn.running_var is not None
-    return torch.stack([bn.running_mean, bn.running_var]).double()
+    return {
+        "stats": torch.stack([bn.running_mean, bn.running_var]).double(),
+        "output": output.detach().double(),
+    }
 
 
-def test_float32_mean_1e4_std_1_is_accurate(pool2: WorkerPool, pool3: WorkerPool) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.timeout(180)  # the compiled scenario's bound plus the pools' start
+def test_float32_mean_1e4_std_1_is_accurate(
+    pool2: WorkerPool, pool3: WorkerPool, compiled: bool
+) -> None:
+    """float32 data with |mean| / std = 1e4: statistics to 1e-4 relative, and the normalized
+    output to float32 rounding of the shifted data, 1e-5 (the compiled composite ops too)."""
     for pool, sizes in ((pool2, (3, 5)), (pool3, (2, 0, 6))):
         gen = torch.Generator().manual_seed(1)
         x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
         var, mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
-        for stats in pool.run(_large_mean_statistics, sizes):
+        biased = var * (x.numel() / 4 - 1) / (x.numel() / 4)
+        expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
+        for rank, result in enumerate(pool.run(_large_mean_statistics, sizes, compiled)):
+            stats = result["stats"]
             assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-4
             assert ((stats[1] - var).abs() / var).max() < 1e-4
+            start = sum(sizes[:rank])
+            local = expected[start : start + sizes[rank]]
+            assert result["output"].shape == local.shape
+            # ~1e-6 measured; subtracting a float32 mean of 1e4 (rounded by ~5e-4) would miss
+            assert bool(((result["output"] - local).abs() < 1e-5).all())
 
 
 def _functional_matches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
