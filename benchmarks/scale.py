@@ -782,6 +782,23 @@ def _find(measured: Sequence[Mapping[str, Any]], w: int, c: int, design: str) ->
     )
 
 
+def _per_world_table(
+    measured: Sequence[Mapping[str, Any]],
+    channels: Sequence[int],
+    world_sizes: Sequence[int],
+    what: str,
+    cell: Callable[[Mapping[str, Any]], str],
+) -> list[str]:
+    """A table with a row per channel count and design and a ``cell`` per world size."""
+    header = ["C", "design"] + [f"W={w}: {what}" for w in world_sizes]
+    rows = [
+        [c, design, *(cell(_find(measured, w, c, design)) for w in world_sizes)]
+        for c in channels
+        for design in DESIGNS
+    ]
+    return _table(header, rows)
+
+
 def _gloo_wins(
     measured: Sequence[Mapping[str, Any]], world_sizes: Sequence[int], channels: Sequence[int]
 ) -> str:
@@ -832,16 +849,13 @@ def render(data: Mapping[str, Any], derived: Mapping[str, Any]) -> str:
         "ring algorithms (`2(W-1)/W n` all_reduce, `(W-1) n` all_gather), derived.",
         "",
     ]
-    header = ["C", "design"] + [f"W={w}: sent / received / ring" for w in world_sizes]
-    rows = []
-    for c in channels:
-        for design in DESIGNS:
-            cells = []
-            for w in world_sizes:
-                m = _find(measured, w, c, design)
-                cells.append(f"{m['sent']} / {m['received']} / {m['ring_wire']:.0f}")
-            rows.append([c, design, *cells])
-    lines += _table(header, rows)
+    lines += _per_world_table(
+        measured,
+        channels,
+        world_sizes,
+        "sent / received / ring",
+        lambda m: f"{m['sent']} / {m['received']} / {m['ring_wire']:.0f}",
+    )
     constant = "identical" if derived["syncbn_bytes_constant"] else "NOT identical"
     lines += [
         "",
@@ -960,16 +974,13 @@ def render(data: Mapping[str, Any], derived: Mapping[str, Any]) -> str:
         "layer calls, replayed alone (measurements not used in the fit):",
         "",
     ]
-    header = ["C", "design"] + [f"W={w}: measured / model ms" for w in world_sizes]
-    rows = []
-    for c in channels:
-        for design in DESIGNS:
-            cells = []
-            for w in world_sizes:
-                m = _find(measured, w, c, design)
-                cells.append(f"{m['comm_ms']:.2f} / {m['model_comm_ms']:.2f}")
-            rows.append([c, design, *cells])
-    lines += _table(header, rows)
+    lines += _per_world_table(
+        measured,
+        channels,
+        world_sizes,
+        "measured / model ms",
+        lambda m: f"{m['comm_ms']:.2f} / {m['model_comm_ms']:.2f}",
+    )
     errors = [abs(m["model_comm_ms"] / m["comm_ms"] - 1) for m in measured]
     by_w = {
         w: statistics.median(
