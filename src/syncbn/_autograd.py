@@ -3,8 +3,9 @@
 Each direction is local maths (:mod:`syncbn._kernels`), one collective of a packed buffer
 (:mod:`syncbn._protocol`, summed by a :class:`Reducer`), then global maths
 (:mod:`syncbn._stats`). :func:`forward_train` and :func:`backward_train` hold that
-sequence once; the autograd Function here and the custom ops that ``torch.compile``
-traces (:mod:`syncbn._compiled`) both call them.
+sequence once for the autograd Function here; the custom ops that ``torch.compile``
+traces (:mod:`syncbn._compiled`) share its collectives and checks
+(:func:`reduce_forward`, :func:`synchronize_grads`).
 
 A training call reads nothing back from the device unless its checks run at once
 (``"immediate"``, the default on CPU): the global count stays a tensor on the device,
@@ -28,6 +29,7 @@ __all__ = [
     "LayerInfo",
     "LocalReducer",
     "ProcessGroupReducer",
+    "ReducedForward",
     "Reducer",
     "TrainOptions",
     "backward_train",
@@ -36,10 +38,11 @@ __all__ = [
     "input_problem",
     "is_recomputing",
     "join_on_error",
-    "sync_batch_norm_train",
-    "sync_moments",
-    "sync_moments_backward",
+    "reduce_forward",
     "reducer_for",
+    "resolve_mode",
+    "sync_batch_norm_train",
+    "synchronize_grads",
     "synchronize_moments",
 ]
 
@@ -277,7 +280,7 @@ class GlobalMoments(NamedTuple):
     global_count: int | torch.Tensor
 
 
-def _resolve_mode(options: TrainOptions, device: torch.device) -> str:
+def resolve_mode(options: TrainOptions, device: torch.device) -> str:
     """This call's check mode; first raises a deferred problem of an earlier call, if any."""
     mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     if mode == "deferred":
@@ -285,25 +288,37 @@ def _resolve_mode(options: TrainOptions, device: torch.device) -> str:
     return mode
 
 
-def synchronize_moments(
+class ReducedForward(NamedTuple):
+    """A forward buffer summed over the participants and checked."""
+
+    #: the all-reduced :func:`syncbn._protocol.pack_forward` buffer
+    buffer: torch.Tensor
+    #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
+    global_count: int | torch.Tensor
+    #: the running statistics' factor for this call (0 where a deferred check fails)
+    factor: float | torch.Tensor
+    #: deferred checks: a 0-dim bool tensor, true where they pass; ``None`` when immediate
+    ok: torch.Tensor | None
+
+
+def reduce_forward(
     buffer: torch.Tensor,
     mode: str,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
     input_size: tuple[int, ...] | None = None,
-) -> GlobalMoments:
-    """All-reduce a packed forward buffer, check it, and update the running statistics.
+) -> ReducedForward:
+    """All-reduce a packed forward buffer and check it (at once, or deferred).
 
     Args:
         buffer: this rank's :func:`syncbn._protocol.pack_forward` buffer.
-        mode: ``"immediate"`` or ``"deferred"`` (from :func:`_resolve_mode`).
+        mode: ``"immediate"`` or ``"deferred"`` (from :func:`resolve_mode`).
+        num_batches_tracked: read for a cumulative average (``momentum=None``).
         input_size: the local input's size, quoted by the "more than 1 value" error.
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     check = options.header_check("forward", input_size)
-    ok: torch.Tensor | None = None  # deferred checks: 1 where this call's checks pass
+    ok: torch.Tensor | None = None
     count: int | torch.Tensor
     factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
     if mode == "immediate":
@@ -318,16 +333,35 @@ def synchronize_moments(
         # a call whose checks fail moves no running statistics
         ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
         factor = ok.to(torch.float64) * factor
-    mean, var = _stats.global_moments(_protocol.forward_sums(buffer), count)
+    return ReducedForward(buffer, count, factor, ok)
+
+
+def synchronize_moments(
+    buffer: torch.Tensor,
+    mode: str,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+    input_size: tuple[int, ...] | None = None,
+) -> GlobalMoments:
+    """All-reduce a packed forward buffer, check it, and update the running statistics.
+
+    Arguments as for :func:`reduce_forward`.
+    """
+    reduced = reduce_forward(buffer, mode, num_batches_tracked, options, input_size)
+    count = reduced.global_count
+    mean, var = _stats.global_moments(_protocol.forward_sums(reduced.buffer), count)
     if not is_recomputing():  # a checkpointed forward already updated them
-        _stats.update_running_stats(running_mean, running_var, mean, var, count, factor)
+        _stats.update_running_stats(running_mean, running_var, mean, var, count, reduced.factor)
         if num_batches_tracked is not None:
             # a deferred check that fails counts no batch either (ok is 0 then)
+            ok = reduced.ok
             num_batches_tracked.add_(1 if ok is None else ok.to(num_batches_tracked.dtype))
     return GlobalMoments(mean, var, count)
 
 
-def _synchronize_grads(
+def synchronize_grads(
     buffer: torch.Tensor, options: TrainOptions, device: torch.device
 ) -> torch.Tensor:
     """All-reduce a packed backward buffer and check it; the ``(2, C)`` global sums."""
@@ -367,7 +401,7 @@ def forward_train(
     kernels = kernels_for(input.device)
     valid = None
     with join_on_error(options, "forward", device):
-        mode = _resolve_mode(options, device)
+        mode = resolve_mode(options, device)
         problem = input_problem(input, num_channels, device)
         if problem is None and mask is not None:
             problem = mask_problem(mask, input)
@@ -425,73 +459,11 @@ def backward_train(
             buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
     grad_input = None
     if need_input:
-        totals = _synchronize_grads(buffer, options, saved.device)
+        totals = synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(grad_output, input, saved, options.eps, totals, count)
         if valid is not None:
             grad_input = kernels.zero_padded(grad_input, valid, inplace=True)
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
-
-
-def sync_moments(
-    count: torch.Tensor,
-    shifted_sum: torch.Tensor,
-    shifted_square_sum: torch.Tensor,
-    shift: torch.Tensor,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    options: TrainOptions,
-) -> GlobalMoments:
-    """The global mean and variance from one rank's shifted sums: the forward collective.
-
-    The per-channel half of a training call whose big passes are ordinary torch ops
-    (:mod:`syncbn._composite`): checks, one collective, running statistics.
-
-    Args:
-        count: 0-dim, this rank's number of values per channel.
-        shifted_sum, shifted_square_sum: ``(C,)`` sums of ``x - shift`` and its square.
-        shift: ``(C,)`` the shift.
-    """
-    device = shifted_sum.device
-    with join_on_error(options, "forward", device):
-        mode = _resolve_mode(options, device)
-        num_channels = options.layer.num_features
-        if shifted_sum.numel() != num_channels:
-            raise ValueError(
-                f"expected input with {num_channels} channels (num_features={num_channels}), "
-                f"got input with {shifted_sum.numel()} channels"
-            )
-        sums, square_sums, shifts = torch.stack([shifted_sum, shifted_square_sum, shift]).double()
-        total, square_total = _stats.unshifted_sums(sums, square_sums, shifts, count)
-        buffer = _protocol.pack_forward(count, total, square_total, options.layer.fingerprint)
-    return synchronize_moments(
-        buffer, mode, running_mean, running_var, num_batches_tracked, options
-    )
-
-
-def sync_moments_backward(
-    grad_mean: torch.Tensor,
-    grad_scale: torch.Tensor,
-    mean: torch.Tensor,
-    inverse_std: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    count: int | torch.Tensor,
-    options: TrainOptions,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of one rank's shifted sums (float64) and of the weight: the backward collective.
-
-    The step's outputs are the global mean and ``scale = weight / sqrt(var + eps)``. The
-    weight's gradient is this rank's share (summed over ranks by DDP, as for any
-    parameter). Every rank normalizes with the same global mean and variance, so their
-    gradients are summed over the ranks (one all-reduce of ``2 * C`` values) before
-    :func:`syncbn._stats.moment_grads` takes them back to each rank's sums.
-    """
-    with join_on_error(options, "backward", mean.device):
-        grad_var, grad_weight = _stats.scale_grads(grad_scale, inverse_std, weight)
-        buffer = _protocol.pack_backward(grad_mean, grad_var, options.layer.fingerprint)
-    grad_mean, grad_var = _synchronize_grads(buffer, options, mean.device)
-    return (*_stats.moment_grads(grad_mean, grad_var, mean, shift, count), grad_weight)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):

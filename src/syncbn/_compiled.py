@@ -1,26 +1,25 @@
-"""SyncBatchNorm's per-channel synchronizing step as custom ops, for ``torch.compile``.
+"""SyncBatchNorm's collectives as custom ops, for ``torch.compile``.
 
 Under ``torch.compile`` a synchronized training call is :mod:`syncbn._composite`: ordinary
-torch ops for every pass over the big tensors, which inductor fuses with their neighbours,
-around one opaque step per direction:
+torch ops for all the maths, per element and per channel, which inductor fuses with their
+neighbours, around one opaque op per direction:
 
-- ``syncbn::sync_moments`` takes one rank's count and shifted per-channel sums and returns
-  the global mean and variance. At run time it does what eager mode does
-  (:func:`syncbn._autograd.sync_moments`): the checks, one collective, the running
-  statistics, and the guard against a second update in a recomputed (checkpointed)
-  forward. It is functional (custom ops that mutate their inputs cannot have an autograd
-  formula): it returns the new running statistics and ``num_batches_tracked``, which the
-  traced code copies into the buffers.
-- ``syncbn::sync_moments_backward``, its autograd formula, sums the gradients of the
-  global mean and variance over the ranks (one collective) and returns those of the
-  rank's sums; autograd derives the rest.
+- ``syncbn::sync_moments`` takes one rank's packed moments ``[n, sum(x), sum(x**2)]``
+  (float64) and returns the global batch's, with the factor of the running statistics'
+  update: the checks and the collective of eager mode (:func:`syncbn._autograd.reduce_forward`),
+  and the guard against a second update in a recomputed (checkpointed) forward. The traced
+  code computes the statistics and updates the buffers with that factor.
+- ``syncbn::sync_moments_backward``, its autograd formula: every rank's moments feed every
+  rank's global moments, so the gradient of a rank's moments is the sum over the ranks of
+  the global moments' gradients (one collective, checked like the forward one); autograd
+  derives the rest.
 - ``syncbn::fail_forward`` stands for a call whose input dynamo already knows to be
   invalid (wrong shape, dtype, device, mask): at run time it joins the collective with
   the error flag and raises, so that every rank raises instead of waiting.
 
 Dynamo cannot trace a collective whose result is read on the host, nor the autograd
 engine's state that the checkpointing guard reads, nor a Python call counter: hence the
-ops. They receive the calling layer as an integer key into a registry of weak references
+ops, which hold only that. They receive the calling layer as an integer key into a registry of weak references
 (a graph can hold no Python object); at run time the layer supplies its process group,
 identity, call count and settings, so that changing them needs no recompilation. The
 functional form has no layer (key 0): its ops name the process group by its
@@ -37,16 +36,19 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 
-from syncbn import _composite, _stats, distributed
+from syncbn import _composite, _protocol, distributed
 from syncbn._autograd import (
     LayerInfo,
+    ReducedForward,
     TrainOptions,
     first_given,
     input_problem,
+    is_recomputing,
     join_on_error,
+    reduce_forward,
     reducer_for,
-    sync_moments,
-    sync_moments_backward,
+    resolve_mode,
+    synchronize_grads,
 )
 from syncbn._composite import mask_problem
 
@@ -121,7 +123,6 @@ def _options(
     site_key: int,
     group_name: str,
     num_features: int,
-    eps: float,
     momentum: float | None,
     backward: bool,
 ) -> TrainOptions:
@@ -130,134 +131,90 @@ def _options(
         site = _site(site_key)
         return site.last_train_options() if backward else site.next_train_options()
     reducer = reducer_for(distributed.group_from_name(group_name))
-    return TrainOptions(reducer, LayerInfo("", num_features), eps, momentum)
+    return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
+
+
+def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
+    """``[factor, increment]`` of the running statistics' update, float64 on ``like``'s device.
+
+    Zeros in a forward recomputed by activation checkpointing (the original forward
+    already updated them); a deferred check that fails gives zeros too (``ok`` is 0).
+    """
+    if is_recomputing():
+        return like.new_zeros(2)
+    if reduced.ok is None:
+        return like.new_tensor([float(reduced.factor), 1.0])
+    return torch.stack([reduced.ok.to(torch.float64) * reduced.factor, reduced.ok.double()])
 
 
 def _sync_moments(
-    count: torch.Tensor,
-    shifted_sum: torch.Tensor,
-    shifted_square_sum: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
+    moments: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
-    eps: float,
     momentum: float | None,
-) -> tuple[torch.Tensor, ...]:
-    options = _options(site_key, group_name, shifted_sum.numel(), eps, momentum, backward=False)
-    # the op is functional: it updates copies of the state and returns them
-    new_mean, new_var, tracked = (
-        None if t is None else t.clone() for t in (running_mean, running_var, num_batches_tracked)
-    )
-    mean, var, global_count = sync_moments(
-        count, shifted_sum, shifted_square_sum, shift, new_mean, new_var, tracked, options
-    )
-    if isinstance(global_count, torch.Tensor):
-        global_count = global_count.clone()  # a view of the collective's buffer
-    else:
-        global_count = mean.new_tensor(float(global_count))
-    inverse_std = _stats.scale(var, options.eps, None)
-    scale = inverse_std if weight is None else inverse_std * weight
-    empty = mean.new_empty(0)
-    new_state = [empty.clone() if t is None else t for t in (new_mean, new_var, tracked)]
-    # outputs may alias neither inputs nor each other (mean is a view of the sums)
-    return (mean.clone(), scale.clone(), inverse_std, global_count, *new_state)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_features = (moments.numel() - 1) // 2
+    options = _options(site_key, group_name, num_features, momentum, backward=False)
+    device = moments.device
+    with join_on_error(options, "forward", device):
+        mode = resolve_mode(options, device)
+        expected = options.layer.num_features
+        if num_features != expected:
+            raise ValueError(
+                f"expected input with {expected} channels (num_features={expected}), "
+                f"got input with {num_features} channels"
+            )
+        buffer = _protocol.pack_forward_moments(moments, options.layer.fingerprint)
+    reduced = reduce_forward(buffer, mode, num_batches_tracked, options)
+    # outputs may not alias the inputs: the buffer is the collective's own
+    return _protocol.forward_moments(reduced.buffer).clone(), _update(reduced, moments)
 
 
 def _sync_moments_fake(
-    count: torch.Tensor,
-    shifted_sum: torch.Tensor,
-    shifted_square_sum: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
+    moments: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
-    eps: float,
     momentum: float | None,
-) -> tuple[torch.Tensor, ...]:
-    mean = shifted_sum.new_empty(shifted_sum.shape, dtype=torch.float64)
-    new_state = [
-        mean.new_empty(0) if t is None else torch.empty_like(t)
-        for t in (running_mean, running_var, num_batches_tracked)
-    ]
-    per_channel = [torch.empty_like(mean) for _ in range(3)]  # mean, scale, inverse_std
-    return (*per_channel, mean.new_empty(()), *new_state)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(moments), moments.new_empty(2)
 
 
 def _sync_moments_backward(
-    grad_mean: torch.Tensor,
-    grad_scale: torch.Tensor,
-    mean: torch.Tensor,
-    inverse_std: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    global_count: torch.Tensor,
-    site_key: int,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(site_key, group_name, mean.numel(), 0.0, None, backward=True)
-    # the count stays a tensor unless this call checks at once (a free read on CPU)
-    host_count = options.layer.check_mode == "immediate" or global_count.device.type == "cpu"
-    count = int(global_count) if host_count else global_count
-    grad_sum, grad_square_sum, grad_weight = sync_moments_backward(
-        grad_mean, grad_scale, mean, inverse_std, shift, weight, count, options
-    )
-    return grad_sum, grad_square_sum, mean.new_empty(0) if grad_weight is None else grad_weight
+    grad_moments: torch.Tensor, site_key: int, group_name: str
+) -> torch.Tensor:
+    num_features = (grad_moments.numel() - 1) // 2
+    options = _options(site_key, group_name, num_features, None, backward=True)
+    device = grad_moments.device
+    with join_on_error(options, "backward", device):
+        grad_total, grad_square_total = grad_moments[1:].view(2, num_features)
+        buffer = _protocol.pack_backward(grad_total, grad_square_total, options.layer.fingerprint)
+    totals = synchronize_grads(buffer, options, device)
+    # the count is no function of the input: no gradient
+    return torch.cat([grad_moments.new_zeros(1), totals.reshape(-1)])
 
 
 def _sync_moments_backward_fake(
-    grad_mean: torch.Tensor,
-    grad_scale: torch.Tensor,
-    mean: torch.Tensor,
-    inverse_std: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
-    global_count: torch.Tensor,
-    site_key: int,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_weight = mean.new_empty(0) if weight is None else torch.empty_like(mean)
-    return torch.empty_like(mean), torch.empty_like(mean), grad_weight
+    grad_moments: torch.Tensor, site_key: int, group_name: str
+) -> torch.Tensor:
+    return torch.empty_like(grad_moments)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, shifted_sum, _, shift, weight, *_, site_key, group_name, _, _ = inputs
-    mean, _, inverse_std, global_count, *new_state = output
-    ctx.mark_non_differentiable(inverse_std, global_count, *new_state)
-    ctx.save_for_backward(mean, inverse_std, shift, weight, global_count)
+    _, _, site_key, group_name, _ = inputs
+    ctx.mark_non_differentiable(output[1])
     ctx.site_key = site_key
     ctx.group_name = group_name
-    ctx.sum_dtype = shifted_sum.dtype
 
 
 def _autograd_backward(
-    ctx: Any, grad_mean: torch.Tensor | None, grad_scale: torch.Tensor | None, *_: Any
+    ctx: Any, grad_moments: torch.Tensor | None, _grad_update: Any
 ) -> tuple[torch.Tensor | None, ...]:
-    mean, inverse_std, shift, weight, global_count = ctx.saved_tensors
-    grad_sum, grad_square_sum, grad_weight = torch.ops.syncbn.sync_moments_backward(
-        torch.zeros_like(mean) if grad_mean is None else grad_mean,
-        torch.zeros_like(mean) if grad_scale is None else grad_scale,
-        mean,
-        inverse_std,
-        shift,
-        weight,
-        global_count,
-        ctx.site_key,
-        ctx.group_name,
-    )
-    return (
-        None,
-        grad_sum.to(ctx.sum_dtype),
-        grad_square_sum.to(ctx.sum_dtype),
-        None,
-        None if weight is None else grad_weight.to(weight.dtype),
-    ) + (None,) * 7
+    # every rank's moments feed every rank's global moments: the gradient of this
+    # rank's moments is the sum over the ranks of the global moments' gradients
+    grad = torch.ops.syncbn.sync_moments_backward(grad_moments, ctx.site_key, ctx.group_name)
+    return grad, None, None, None, None
 
 
 def _fail_forward(
@@ -275,7 +232,7 @@ def _fail_forward(
         problem = mask_problem(mask, input)
     if problem is None:  # pragma: no cover - tracing and run time see the same metadata
         problem = RuntimeError("syncbn: a call traced as invalid is valid at run time")
-    options = _options(site_key, group_name, num_features, 0.0, None, backward=False)
+    options = _options(site_key, group_name, num_features, None, backward=False)
     with join_on_error(options, "forward", anchor.device):
         raise problem
     raise AssertionError("unreachable")  # pragma: no cover - the context re-raises
@@ -301,19 +258,15 @@ def _define_ops() -> None:
         "syncbn::sync_moments",
         _sync_moments,
         mutates_args=(),
-        schema="(Tensor count, Tensor shifted_sum, Tensor shifted_square_sum, Tensor shift, "
-        "Tensor? weight, Tensor? running_mean, Tensor? running_var, "
-        "Tensor? num_batches_tracked, int site_key, str group_name, float eps, "
-        "float? momentum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        schema="(Tensor moments, Tensor? num_batches_tracked, int site_key, str group_name, "
+        "float? momentum) -> (Tensor, Tensor)",
     )
     forward_op.register_fake(_sync_moments_fake)
     backward_op = torch.library.custom_op(
         "syncbn::sync_moments_backward",
         _sync_moments_backward,
         mutates_args=(),
-        schema="(Tensor grad_mean, Tensor grad_scale, Tensor mean, Tensor inverse_std, "
-        "Tensor shift, Tensor? weight, Tensor global_count, int site_key, str group_name) "
-        "-> (Tensor, Tensor, Tensor)",
+        schema="(Tensor grad_moments, int site_key, str group_name) -> Tensor",
     )
     backward_op.register_fake(_sync_moments_backward_fake)
     forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -342,47 +295,22 @@ def _keep_in_graph(op: torch._ops.OpOverload) -> None:
         keep(op)
 
 
-def _synchronizer(
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
+def _exchange(
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
-    eps: float,
     momentum: float | None,
-) -> _composite.Synchronize:
-    """The ``synchronize`` step of :func:`syncbn._composite.batch_norm_train` in a compiled
-    graph: the ``syncbn::sync_moments`` op, whose new running statistics are copied into
-    the buffers."""
+) -> _composite.Exchange:
+    """The ``exchange`` of :func:`syncbn._composite.batch_norm_train` in a compiled graph:
+    the ``syncbn::sync_moments`` op."""
 
-    def synchronize(
-        count: torch.Tensor,
-        shifted_sum: torch.Tensor,
-        shifted_square_sum: torch.Tensor,
-        shift: torch.Tensor,
-        weight: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, scale, _, _, *new_state = torch.ops.syncbn.sync_moments(
-            count,
-            shifted_sum,
-            shifted_square_sum,
-            shift,
-            weight,
-            running_mean,
-            running_var,
-            num_batches_tracked,
-            site_key,
-            group_name,
-            eps,
-            momentum,
+    def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        global_moments, update = torch.ops.syncbn.sync_moments(
+            moments, num_batches_tracked, site_key, group_name, momentum
         )
-        with torch.no_grad():
-            for state, new in zip((running_mean, running_var, num_batches_tracked), new_state):
-                if state is not None:
-                    state.copy_(new)
-        return mean, scale
+        return global_moments, update
 
-    return synchronize
+    return exchange
 
 
 def sync_batch_norm_train(
@@ -429,7 +357,14 @@ def sync_batch_norm_train(
             num_features,
         )
         return output
-    synchronize = _synchronizer(
-        running_mean, running_var, num_batches_tracked, site_key, group_name, eps, momentum
+    return _composite.batch_norm_train(
+        input,
+        weight,
+        bias,
+        mask,
+        _exchange(num_batches_tracked, site_key, group_name, momentum),
+        eps=eps,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
     )
-    return _composite.batch_norm_train(input, weight, bias, mask, synchronize)

@@ -1,4 +1,4 @@
-"""SyncBatchNorm's training call as ordinary torch ops around one per-channel synchronizing step.
+"""SyncBatchNorm's training call as ordinary torch ops around one opaque collective.
 
 The eager path (:mod:`syncbn._autograd`) runs fused kernels with a hand-written backward.
 This module spells the same maths as plain, differentiable torch ops instead, so that
@@ -8,14 +8,12 @@ and autograd derives the backward reductions and the input gradient.
 A mask of valid positions (padded batches) is a ``torch.where`` in those passes. It also
 holds the mask helpers that both paths share.
 
-Only the per-channel step is opaque: a ``synchronize`` callable takes one rank's count
-and shifted sums, and the weight, and returns the global mean and
-``scale = weight / sqrt(var + eps)`` (one collective in forward, one in backward, the
-checks and the running statistics: :func:`syncbn._autograd.sync_moments`, which the custom
-op of :mod:`syncbn._compiled` runs). The weight goes through the step (its gradient needs
-the step's backward) and the ops are registered as having side effects, so that a compiler
-keeps the backward collective on a rank whose local batch is empty, where the input's
-gradient is empty and needs nothing.
+Only the collective is opaque: an ``exchange`` callable takes one rank's packed moments
+``[n, sum(x) (C), sum(x**2) (C)]`` (float64) and returns those of the global batch (the
+custom op of :mod:`syncbn._compiled`: one collective, its checks, and the factor of the
+running statistics' update; its backward is one collective of the gradients). The maths on
+either side of it, per channel (global mean and variance, scale, running statistics) and
+per element, is ordinary torch code that inductor fuses into a few kernels.
 
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
 values per channel (no cancellation for inputs whose mean is large compared with their
@@ -34,23 +32,23 @@ from syncbn import _stats
 from syncbn._kernels.generic import channel_view, first_valid_sample
 
 __all__ = [
+    "Exchange",
     "ShiftedMoments",
-    "Synchronize",
     "batch_norm_train",
-    "local_statistics",
+    "keep_local",
     "mask_problem",
     "normalize",
+    "pack_moments",
     "shifted_moments",
     "valid_positions",
     "zero_padded",
 ]
 
-#: ``(count, shifted_sum, shifted_square_sum, shift, weight) -> (mean, scale)``: the global
-#: mean and ``scale = weight / sqrt(var + eps)`` (``1 / sqrt(var + eps)`` without a weight)
-Synchronize = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
-    tuple[torch.Tensor, torch.Tensor],
-]
+#: ``local moments -> (global moments, update)``: moments are ``(2 * C + 1,)`` float64
+#: ``[n, sum(x) (C), sum(x**2) (C)]``; ``update`` is ``None`` (nothing to update) or a
+#: ``(2,)`` float64 ``[factor, increment]``: the running statistics' momentum for this call
+#: (0 where they must not move) and what ``num_batches_tracked`` counts (0 or 1)
+Exchange = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 class ShiftedMoments(NamedTuple):
@@ -153,34 +151,65 @@ def normalize(
     return output.to(input.dtype)
 
 
+def pack_moments(moments: ShiftedMoments) -> torch.Tensor:
+    """One rank's ``[n, sum(x) (C), sum(x**2) (C)]`` in float64, the shift added back."""
+    total, square_total = _stats.unshifted_sums(
+        moments.shifted_sum.to(torch.float64),
+        moments.shifted_square_sum.to(torch.float64),
+        moments.shift.to(torch.float64),
+        moments.local_count,
+    )
+    return torch.cat([moments.local_count.view(1), total, square_total])
+
+
+def keep_local(moments: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The :data:`Exchange` of a process alone that updates nothing (eval mode without
+    running statistics): the global moments are the local ones."""
+    return moments, None
+
+
+def _update_running_stats(
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    update: torch.Tensor,
+) -> None:
+    factor, increment = update.unbind()
+    with torch.no_grad():
+        _stats.update_running_stats(
+            running_mean, running_var, mean.detach(), var.detach(), count.detach(), factor
+        )
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(increment.to(num_batches_tracked.dtype))
+
+
 def batch_norm_train(
     input: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     mask: torch.Tensor | None,
-    synchronize: Synchronize,
-) -> torch.Tensor:
-    """A training call: local moments, ``synchronize``, normalization (differentiable)."""
-    moments = shifted_moments(input, mask)
-    mean, scale = synchronize(*moments[:4], weight)
-    return normalize(input, moments, mean, scale, bias)
-
-
-def local_statistics(
-    count: torch.Tensor,
-    shifted_sum: torch.Tensor,
-    shifted_square_sum: torch.Tensor,
-    shift: torch.Tensor,
-    weight: torch.Tensor | None,
+    exchange: Exchange,
     *,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A :data:`Synchronize` step of one process that updates nothing: the local mean and
-    scale (eval mode without running statistics; bind ``eps`` with functools.partial)."""
-    sums, square_sums, shifts = torch.stack([shifted_sum, shifted_square_sum, shift]).double()
-    total, square_total = _stats.unshifted_sums(sums, square_sums, shifts, count)
-    mean, var = _stats.global_moments(torch.stack([total, square_total]), count)
-    return mean, _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    num_batches_tracked: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A training call: local moments, ``exchange``, global statistics and running
+    statistics, normalization (differentiable)."""
+    moments = shifted_moments(input, mask)
+    global_moments, update = exchange(pack_moments(moments))
+    count, sums = global_moments[0], global_moments[1:].view(2, -1)
+    mean, var = _stats.global_moments(sums, count)
+    if update is not None:
+        _update_running_stats(
+            running_mean, running_var, num_batches_tracked, count, mean, var, update
+        )
+    scale = _stats.scale(var, eps, None if weight is None else weight.to(torch.float64))
+    return normalize(input, moments, mean, scale, bias)
 
 
 def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -53,10 +53,12 @@ __all__ = [
     "defer_check",
     "device_ok",
     "fingerprint",
+    "forward_moments",
     "forward_size",
     "forward_sums",
     "pack_backward",
     "pack_forward",
+    "pack_forward_moments",
     "raise_deferred",
     "read_header",
     "resolve_check_mode",
@@ -142,6 +144,15 @@ def pack_forward(
     return torch.cat([head, total, square_total, trailer])
 
 
+def pack_forward_moments(
+    moments: torch.Tensor, fingerprint: int, error: bool = False
+) -> torch.Tensor:
+    """Pack ``(2 * C + 1,)`` float64 moments ``[n, sum(x) (C), sum(x**2) (C)]`` into a forward
+    buffer: the layout of :func:`pack_forward`, whose middle they are."""
+    head, trailer = _buffer_ends(fingerprint, None, error, moments.device)
+    return torch.cat([head, moments, trailer])
+
+
 def pack_backward(
     sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int, error: bool = False
 ) -> torch.Tensor:
@@ -156,6 +167,11 @@ def pack_backward(
 def count_slot(buffer: torch.Tensor) -> torch.Tensor:
     """The global count per channel of an all-reduced forward buffer: a 0-dim float64 view."""
     return buffer[_COUNT_SLOT]
+
+
+def forward_moments(buffer: torch.Tensor) -> torch.Tensor:
+    """The ``[n, sum(x) (C), sum(x**2) (C)]`` middle of a forward buffer (a view)."""
+    return buffer[_COUNT_SLOT:-1]
 
 
 def forward_sums(buffer: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,7 @@ import torch
 
 __all__ = [
     "global_moments",
-    "moment_grads",
     "scale",
-    "scale_grads",
     "stat_dtype",
     "unshifted_sums",
     "update_running_stats",
@@ -61,43 +59,6 @@ def unshifted_sums(
     return total, square_total
 
 
-def moment_grads(
-    grad_mean: torch.Tensor,
-    grad_var: torch.Tensor,
-    mean: torch.Tensor,
-    shift: torch.Tensor,
-    count: int | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Gradients of one rank's shifted sums, given those of the global mean and variance.
-
-    With the global ``mean = T_1 / N`` and ``var = T_2 / N - mean^2``, where ``T_1`` and
-    ``T_2`` sum every rank's ``sum(x)`` and ``sum(x**2)`` (see :func:`unshifted_sums`):
-
-    .. math::
-        rac{\partial L}{\partial S_1} = rac{G_\mu + 2 (k - \mu) G_v}{N}, \qquad
-        rac{\partial L}{\partial S_2} = rac{G_v}{N}
-
-    for this rank's shifted sums :math:`S_1 = \sum (x - k)`, :math:`S_2 = \sum (x - k)^2`,
-    where :math:`G_\mu` and :math:`G_v` are the gradients of the mean and the variance
-    summed over all ranks (every rank normalizes with them). :math:`k - \mu` is small
-    where the shift is a sample, so the sum does not cancel. An empty global batch gives
-    zeros.
-
-    Args:
-        grad_mean, grad_var: ``(C,)`` the global sums :math:`G_\mu`, :math:`G_v`.
-        mean: ``(C,)`` float64, the global mean.
-        shift: ``(C,)`` this rank's shift :math:`k`.
-        count: the global count :math:`N`, a number or a 0-dim tensor.
-    """
-    divisor = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
-    grad_var = grad_var.to(torch.float64) / divisor
-    offset = shift.to(torch.float64) - mean
-    grad_shifted_sum = torch.addcmul(
-        grad_mean.to(torch.float64) / divisor, offset, grad_var, value=2
-    )
-    return grad_shifted_sum, grad_var
-
-
 def global_moments(
     sums: torch.Tensor, count: int | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +70,8 @@ def global_moments(
     """
     divisor = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
     mean, square_mean = (sums / divisor).unbind()
-    var = torch.addcmul(square_mean, mean, mean, value=-1).clamp_(min=0)
+    # not in place: torch.compile differentiates this (syncbn._composite)
+    var = torch.addcmul(square_mean, mean, mean, value=-1).clamp(min=0)
     return mean, var
 
 
@@ -117,21 +79,6 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
     """``weight / sqrt(var + eps)`` (``1 / sqrt(var + eps)`` without a weight)."""
     inverse_std = (var + eps).rsqrt_()
     return inverse_std if weight is None else inverse_std * weight
-
-
-def scale_grads(
-    grad_scale: torch.Tensor, inverse_std: torch.Tensor, weight: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r"""Gradients of the variance and the weight, given that of :func:`scale`.
-
-    With :math:`s = w (v + \epsilon)^{-1/2}`: :math:`\partial L / \partial w =
-    g_s (v + \epsilon)^{-1/2}` and :math:`\partial L / \partial v = -\tfrac12 g_s w
-    (v + \epsilon)^{-3/2}` (the weight's gradient is ``None`` without a weight).
-    """
-    grad_scale = grad_scale.to(inverse_std.dtype)
-    factor = grad_scale if weight is None else grad_scale * weight.to(inverse_std.dtype)
-    grad_var = factor * inverse_std.pow(3) * -0.5
-    return grad_var, None if weight is None else grad_scale * inverse_std
 
 
 def update_running_stats(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import torch
@@ -201,8 +200,9 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         if self.running_mean is None and self.running_var is None:
             # no running statistics: those of the local batch, as torch's layers do
             if mask is not None:
-                local = functools.partial(_composite.local_statistics, eps=self.eps)
-                return _composite.batch_norm_train(input, self.weight, self.bias, mask, local)
+                return _composite.batch_norm_train(
+                    input, self.weight, self.bias, mask, _composite.keep_local, eps=self.eps
+                )
             bn_training = True
         else:
             bn_training = False
