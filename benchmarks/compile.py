@@ -22,13 +22,19 @@ Each rank also times the floor of syncbn's communication per step: the all_reduc
 exactly the payloads its 15 layers send (``2 * C + 5`` and ``2 * C + 4`` float64 values per
 layer, forward and backward), back to back. ``--world-size 1 --sync-alone`` forces the
 synchronized path on one rank (a one-rank gloo group: the collectives cost microseconds),
-which measures syncbn's compute alone.
+which measures syncbn's compute, plus a one-rank gloo all_reduce per layer call and
+direction (about 0.1-0.2 ms each on the 2-core CPU machine: a hand-off to gloo's worker
+thread). ``--no-transport`` (with ``--sync-alone``) takes that hand-off out as well: the
+all_reduce returns its buffer as it is (what a one-rank sum is), while everything else, the
+custom ops, packing, checks and running statistics, runs as before.
 
 Usage::
 
     python benchmarks/compile.py            # ~3-4 min on 2 CPU cores; writes compile.md/json
     python benchmarks/compile.py --world-size 1 --sync-alone --batch 16 \
-        --out benchmarks/compile-world1.md  # compute only
+        --out benchmarks/compile-world1.md  # compute and one-rank gloo collectives
+    python benchmarks/compile.py --world-size 1 --sync-alone --no-transport --batch 16 \
+        --out benchmarks/compile-world1-no-transport.md  # compute only
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class Settings:
     cache_dir: str
     batch: int
     sync_alone: bool
+    no_transport: bool = False
 
 
 def _collectives_floor_ms(model: nn.Module, device: torch.device, repeats: int = 50) -> float:
@@ -124,11 +131,18 @@ def _collectives_floor_ms(model: nn.Module, device: torch.device, repeats: int =
     return statistics.median(times[5:]) * 1e3
 
 
+def _no_transport(buffer: torch.Tensor, group: Any = None) -> torch.Tensor:
+    return buffer
+
+
 def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     steps, device_type, cache_dir = settings.steps, settings.device_type, settings.cache_dir
     # a fresh cache: no compiled code and no remembered dynamic dimensions from earlier runs
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     torch.set_num_threads(1)
+    if settings.no_transport:
+        # a one-rank sum is the buffer itself: skip the hand-off to gloo, keep the rest
+        syncbn.distributed.all_reduce_sum_ = _no_transport
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     plain = SmallResNet().to(device)
@@ -240,10 +254,14 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
         options.append(f"--world-size {args.world_size}")
     if args.sync_alone:
         options.append("--sync-alone")
+    if args.no_transport:
+        options.append("--no-transport")
     if args.batch != BATCH:
         options.append(f"--batch {args.batch}")
     command_options = "".join(f" {option}" for option in options)
     sync = " with the synchronized path forced (`_sync_alone`)" if args.sync_alone else ""
+    if args.no_transport:
+        sync += ", syncbn's all_reduce returning its buffer (no transport)"
     lines = [
         "# torch.compile(fullgraph=True): SyncBatchNorm against BatchNorm, per training step",
         "",
@@ -292,12 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="force the synchronized path at world size 1 (syncbn's compute alone)",
     )
+    parser.add_argument(
+        "--no-transport",
+        action="store_true",
+        help="with --sync-alone at world size 1: syncbn's all_reduce returns its buffer",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=HERE / "compile.md")
     args = parser.parse_args(argv)
+    if args.no_transport and not (args.sync_alone and args.world_size == 1):
+        parser.error("--no-transport needs --sync-alone and --world-size 1")
     backend = "nccl" if args.device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="syncbn-compile-cache-") as cache_dir:
-        settings = Settings(args.steps, args.device, cache_dir, args.batch, args.sync_alone)
+        settings = Settings(
+            args.steps, args.device, cache_dir, args.batch, args.sync_alone, args.no_transport
+        )
         results = run_on_ranks(_rank, args.world_size, settings, backend=backend, timeout=1200)
     info = machine_info()
     text = _render(results, info, args)

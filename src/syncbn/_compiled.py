@@ -134,6 +134,12 @@ def _options(
     return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
 
 
+@functools.lru_cache(maxsize=256)
+def _counted_update(factor: float, device: torch.device) -> torch.Tensor:
+    """``[factor, 1]``, built once per factor (a momentum repeats from call to call)."""
+    return torch.tensor([factor, 1.0], dtype=torch.float64, device=device)
+
+
 def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     """``[factor, increment]`` of the running statistics' update, float64 on ``like``'s device.
 
@@ -143,7 +149,7 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     if is_recomputing():
         return like.new_zeros(2)
     if reduced.ok is None:
-        return like.new_tensor([float(reduced.factor), 1.0])
+        return _counted_update(float(reduced.factor), like.device).clone()
     return torch.stack([reduced.ok.to(torch.float64) * reduced.factor, reduced.ok.double()])
 
 

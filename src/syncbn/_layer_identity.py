@@ -115,7 +115,9 @@ class LayerIdentity:
     def next_train_options(self) -> TrainOptions:
         """The options of this layer's next synchronized call; counts the call."""
         layer = self._layer_info(self._sync_calls)
-        self._sync_calls += 1
+        # a plain attribute: set past torch.nn.Module.__setattr__, which costs microseconds
+        # per call looking for a parameter, buffer or module of that name
+        self.__dict__["_sync_calls"] = self._sync_calls + 1
         return self._train_options(layer)
 
     def last_train_options(self) -> TrainOptions:

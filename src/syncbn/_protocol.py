@@ -171,7 +171,7 @@ def count_slot(buffer: torch.Tensor) -> torch.Tensor:
 
 def forward_moments(buffer: torch.Tensor) -> torch.Tensor:
     """The ``[n, sum(x) (C), sum(x**2) (C)]`` middle of a forward buffer (a view)."""
-    return buffer[_COUNT_SLOT:-1]
+    return buffer.narrow(0, _COUNT_SLOT, buffer.numel() - _COUNT_SLOT - 1)
 
 
 def forward_sums(buffer: torch.Tensor) -> torch.Tensor:
