@@ -19,11 +19,11 @@ neighbours, around one opaque op per direction:
 
 Dynamo cannot trace a collective whose result is read on the host, nor the autograd
 engine's state that the checkpointing guard reads, nor a Python call counter: hence the
-ops, which hold only that. They receive the calling layer as an integer key into a registry of weak references
-(a graph can hold no Python object); at run time the layer supplies its process group,
-identity, call count and settings, so that changing them needs no recompilation. The
-functional form has no layer (key 0): its ops name the process group by its
-``group_name`` and take the momentum.
+ops, which hold only that. They receive the calling layer as an integer key into a
+registry of weak references (a graph can hold no Python object); at run time the layer
+supplies its process group, identity, call count and settings, so that changing them needs
+no recompilation. The functional form has no layer (key 0): its ops name the process group
+by its ``group_name`` and take the momentum.
 """
 
 from __future__ import annotations
