@@ -150,7 +150,8 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(2)
     if reduced.ok is None:
         return _counted_update(float(reduced.factor), like.device).clone()
-    return torch.stack([reduced.ok.to(torch.float64) * reduced.factor, reduced.ok.double()])
+    # deferred: the factor is already a device tensor, 0 where the checks fail
+    return torch.stack([torch.as_tensor(reduced.factor), reduced.ok.to(torch.float64)])
 
 
 def _sync_moments(
