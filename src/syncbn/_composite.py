@@ -15,6 +15,10 @@ running statistics' update; its backward is one collective of the gradients). Th
 either side of it, per channel (global mean and variance, scale, running statistics) and
 per element, is ordinary torch code that inductor fuses into a few kernels.
 
+Every per-channel value that meets the big tensors (the scale and offset of the output,
+the gradients of the local sums) goes through :func:`stored_per_channel` first, so that
+inductor computes it once per channel instead of once per element.
+
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
 values per channel (no cancellation for inputs whose mean is large compared with their
 spread), the shift added back in float64, the output as ``(x - shift) * scale + offset``
@@ -40,6 +44,7 @@ __all__ = [
     "normalize",
     "pack_moments",
     "shifted_moments",
+    "stored_per_channel",
     "valid_positions",
     "zero_padded",
 ]
@@ -66,6 +71,19 @@ class ShiftedMoments(NamedTuple):
     centered: torch.Tensor
     #: ``(N, 1, *)`` bool, True at valid positions, or ``None`` without a mask
     valid: torch.Tensor | None
+
+
+def stored_per_channel(value: torch.Tensor) -> torch.Tensor:
+    """``value``, a per-channel tensor, computed once per channel under ``torch.compile``.
+
+    Inductor inlines a pointwise producer into each of its consumers: a per-channel value
+    derived from the global moments (a float64 division, an inverse square root) would be
+    recomputed for every element of the ``(N, C, *)`` tensor it scales, which costs more
+    than the normalization itself on a CPU. An identity ``as_strided`` can only be lowered
+    on a stored buffer, so inductor stores the value once; its backward stores the
+    gradient the same way. Outside of compilation it is a free view.
+    """
+    return value.as_strided(value.shape, value.stride())
 
 
 def mask_problem(mask: torch.Tensor, input: torch.Tensor) -> Exception | None:
@@ -117,10 +135,11 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
         shift = first_valid_sample(detached, valid)
         centered = torch.where(valid, x - channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]
+    # the sums are stored anyway; their gradients, expanded over every element, are not
     return ShiftedMoments(
         count,
-        centered.sum(reduced),
-        centered.square().sum(reduced),
+        stored_per_channel(centered.sum(reduced)),
+        stored_per_channel(centered.square().sum(reduced)),
         shift,
         centered,
         valid,
@@ -145,7 +164,8 @@ def normalize(
         offset = offset + bias.to(torch.float64)
     centered = moments.centered
     ndim, dtype = centered.dim(), centered.dtype
-    output = centered * channel_view(scale.to(dtype), ndim) + channel_view(offset.to(dtype), ndim)
+    scale, offset = stored_per_channel(scale.to(dtype)), stored_per_channel(offset.to(dtype))
+    output = centered * channel_view(scale, ndim) + channel_view(offset, ndim)
     if moments.valid is not None:
         output = torch.where(moments.valid, output, 0.0)
     return output.to(input.dtype)
