@@ -386,6 +386,49 @@ def test_compiled_masked_calls_match_the_gathered_reference(pool: WorkerPool) ->
     _assert_matches(case, pool.run(_run_masked, case, timeout=240.0))
 
 
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "case",
+    [
+        MaskedCase(sizes=(4,), valid=(0.7,), tail=(3, 4, 5), mode="inductor"),
+        MaskedCase(
+            sizes=(5,),
+            valid=(0.6,),
+            tail=(3, 4, 5),
+            broadcast=True,
+            channels_last=True,
+            mode="inductor",
+        ),
+    ],
+    ids=["NCHW", "broadcast-mask-channels_last"],
+)
+def test_inductor_kernels_match_the_gathered_reference(case: MaskedCase) -> None:
+    """inductor's generated kernels, NaN at the padded positions of input and gradient: the
+    mask tested through a stored float copy and the per-channel values stored once give
+    the reference's numbers."""
+    result = _run_masked(0, 1, case)
+    _assert_matches(case, [result])
+    if case.channels_last:
+        assert all(step["channels_last"] for step in result["steps"])
+
+
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+@pytest.mark.timeout(240)
+def test_inductor_eval_zeroes_padded_positions_whatever_they_hold() -> None:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(3).double()
+    layer(torch.randn(8, 3, 5, dtype=torch.float64))  # running statistics move once
+    layer.eval()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    mask = torch.rand(4, 5) < 0.5
+    x = x.masked_fill(~mask.unsqueeze(1), float("nan"))
+    torch._dynamo.reset()
+    y = torch.compile(layer, fullgraph=True)(x, mask)
+    torch.testing.assert_close(y, layer(x, mask), rtol=1e-12, atol=1e-12)
+    assert bool((_valid_rows(y, ~mask) == 0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_zero_padded_equals_where_whatever_the_padded_values(dtype: torch.dtype) -> None:
     from syncbn._kernels.generic import zero_padded

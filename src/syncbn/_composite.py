@@ -15,9 +15,9 @@ running statistics' update; its backward is one collective of the gradients). Th
 either side of it, per channel (global mean and variance, scale, running statistics) and
 per element, is ordinary torch code that inductor fuses into a few kernels.
 
-Every per-channel value that meets the big tensors (the scale and offset of the output,
-the gradients of the local sums) goes through :func:`stored_per_channel` first, so that
-inductor computes it once per channel instead of once per element.
+Every small tensor that meets the big ones (the scale and offset of the output, the
+gradients of the local sums, a float copy of the mask) goes through :func:`computed_once`
+first, so that inductor computes it once instead of once per element.
 
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
 values per channel (no cancellation for inputs whose mean is large compared with their
@@ -44,7 +44,7 @@ __all__ = [
     "normalize",
     "pack_moments",
     "shifted_moments",
-    "stored_per_channel",
+    "computed_once",
     "valid_positions",
     "zero_padded",
 ]
@@ -73,8 +73,8 @@ class ShiftedMoments(NamedTuple):
     valid: torch.Tensor | None
 
 
-def stored_per_channel(value: torch.Tensor) -> torch.Tensor:
-    """``value``, a per-channel tensor, computed once per channel under ``torch.compile``.
+def computed_once(value: torch.Tensor) -> torch.Tensor:
+    """``value``, a small tensor that scales a big one, stored once under ``torch.compile``.
 
     Inductor inlines a pointwise producer into each of its consumers: a per-channel value
     derived from the global moments (a float64 division, an inverse square root) would be
@@ -113,6 +113,15 @@ def valid_positions(mask: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     return mask.expand((input.shape[0], *input.shape[2:])).unsqueeze(1)
 
 
+def _tested_per_element(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``valid`` (bool) as a comparison with 0 of a float copy of it, stored once.
+
+    The same values; but inductor's CPU kernels load a bool per element about 5x slower
+    than they compare a float with 0, so each pass over the big tensor tests the copy.
+    """
+    return computed_once(valid.to(dtype, memory_format=torch.contiguous_format)) > 0
+
+
 def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> ShiftedMoments:
     """Per-channel count and shifted sums of a local ``(N, C, *)`` batch (valid positions only).
 
@@ -133,13 +142,14 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
         valid = valid_positions(mask, x)
         count = valid.sum(dtype=torch.float64)
         shift = first_valid_sample(detached, valid)
+        valid = _tested_per_element(valid, dtype)
         centered = torch.where(valid, x - channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]
     # the sums are stored anyway; their gradients, expanded over every element, are not
     return ShiftedMoments(
         count,
-        stored_per_channel(centered.sum(reduced)),
-        stored_per_channel(centered.square().sum(reduced)),
+        computed_once(centered.sum(reduced)),
+        computed_once(centered.square().sum(reduced)),
         shift,
         centered,
         valid,
@@ -164,7 +174,7 @@ def normalize(
         offset = offset + bias.to(torch.float64)
     centered = moments.centered
     ndim, dtype = centered.dim(), centered.dtype
-    scale, offset = stored_per_channel(scale.to(dtype)), stored_per_channel(offset.to(dtype))
+    scale, offset = computed_once(scale.to(dtype)), computed_once(offset.to(dtype))
     output = centered * channel_view(scale, ndim) + channel_view(offset, ndim)
     if moments.valid is not None:
         output = torch.where(moments.valid, output, 0.0)
@@ -236,4 +246,5 @@ def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     """``output`` with zeros at the padded positions of ``mask`` (eval mode)."""
     if mask is None:
         return output
-    return torch.where(valid_positions(mask, output), output, 0.0)
+    valid = _tested_per_element(valid_positions(mask, output), output.dtype)
+    return torch.where(valid, output, 0.0)
