@@ -220,13 +220,18 @@ def test_bfloat16_input_with_float32_parameters() -> None:
     assert bool((_valid_rows(y, ~mask) == 0).all())
 
 
-def test_eval_uses_the_running_statistics_and_zeroes_padded_positions() -> None:
+def _eval_layer_and_batch() -> tuple[syncbn.SyncBatchNorm, torch.Tensor, torch.Tensor]:
+    """A layer in eval mode whose running statistics moved once, an input and its mask."""
     torch.manual_seed(0)
     layer = syncbn.SyncBatchNorm(3).double()
-    layer(torch.randn(8, 3, 5, dtype=torch.float64))  # running statistics move once
+    layer(torch.randn(8, 3, 5, dtype=torch.float64))
     layer.eval()
     x = torch.randn(4, 3, 5, dtype=torch.float64)
-    mask = torch.rand(4, 5) < 0.5
+    return layer, x, torch.rand(4, 5) < 0.5
+
+
+def test_eval_uses_the_running_statistics_and_zeroes_padded_positions() -> None:
+    layer, x, mask = _eval_layer_and_batch()
     y = layer(x, mask)
     plain = nn.functional.batch_norm(
         x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0, layer.eps
@@ -416,12 +421,7 @@ def test_inductor_kernels_match_the_gathered_reference(case: MaskedCase) -> None
 @pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
 @pytest.mark.timeout(240)
 def test_inductor_eval_zeroes_padded_positions_whatever_they_hold() -> None:
-    torch.manual_seed(0)
-    layer = syncbn.SyncBatchNorm(3).double()
-    layer(torch.randn(8, 3, 5, dtype=torch.float64))  # running statistics move once
-    layer.eval()
-    x = torch.randn(4, 3, 5, dtype=torch.float64)
-    mask = torch.rand(4, 5) < 0.5
+    layer, x, mask = _eval_layer_and_batch()
     x = x.masked_fill(~mask.unsqueeze(1), float("nan"))
     torch._dynamo.reset()
     y = torch.compile(layer, fullgraph=True)(x, mask)
