@@ -2,7 +2,7 @@
 
 Needs a CUDA GPU (and torchvision for the resnet50 step). Writes ``gpu.md`` and ``gpu.json``
 beside this file (or into ``--out``) after every part; a part that fails is recorded as an
-error and the others still run (exit code 1 then). Three parts, each in its own processes:
+error and the others still run (exit code 1 then). Four parts, each in its own processes:
 
 - ``layers``: forward+backward of one layer at the BatchNorm shapes of ResNet-50 at batch
   32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
@@ -12,6 +12,9 @@ error and the others still run (exit code 1 then). Three parts, each in its own 
   channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step.
 - ``ranks``: the per-layer comparison with 2 ranks sharing the GPU through gloo (CUDA
   tensors; nccl refuses two ranks on one GPU).
+- ``compile``: the same resnet50 step under ``torch.compile(fullgraph=True)``, modes
+  ``default`` and ``reduce-overhead``, syncbn against cuDNN BatchNorm (issue 20's target:
+  at most 1.1x); torch.nn.SyncBatchNorm is left out (it breaks the graph).
 
 The single-process parts use an nccl group of one rank, where both synchronized layers
 would fall back to BatchNorm; their sync paths are forced (``SyncBatchNorm._sync_alone`` for
@@ -23,6 +26,7 @@ Usage::
     python benchmarks/gpu.py                     # all parts, ~5 min on an H100
     python benchmarks/gpu.py --parts layers step --quick
     python benchmarks/gpu.py --parts step --out gpu-results/step  # one part, its own folder
+    bash .ci/gpu bench gpu-results                # every part, each into its own folder
 """
 
 from __future__ import annotations
@@ -175,28 +179,45 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
     return rows
 
 
-def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+def _resnet50_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """torchvision's resnet50 (seeded, on the CPU) and a channels_last batch of 32 on the GPU."""
     import torchvision
 
-    torch.cuda.set_device(0)
-    group = dist.new_group([rank], backend="nccl")
-    x = torch.randn(32, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
-    target = torch.randint(1000, (32,), device="cuda")
-    results: dict[str, Any] = {}
     torch.manual_seed(0)
     base = torchvision.models.resnet50()
+    x = torch.randn(32, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    return base, x, torch.randint(1000, (32,), device="cuda")
+
+
+def _training_step(
+    model: nn.Module, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, target: Any
+) -> Callable[[], None]:
+    """One SGD step of ``model`` (called as ``run``) under bfloat16 autocast."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(run(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return step
+
+
+def _on_gpu(model: nn.Module, kind: str, group: Any) -> nn.Module:
+    model = _convert(model, kind, group).cuda()
+    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload,no-any-return]
+
+
+def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+    torch.cuda.set_device(0)
+    group = dist.new_group([rank], backend="nccl")
+    base, x, target = _resnet50_batch()
+    results: dict[str, Any] = {}
     for kind in ("cudnn", "torch-sync", "syncbn"):
-        model = _convert(copy.deepcopy(base), kind, group).cuda()
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(model: nn.Module = model, optimizer: Any = optimizer) -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x), target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
+        model = _on_gpu(copy.deepcopy(base), kind, group)
+        step = _training_step(model, model, x, target)
         eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
         graphed: dict[str, Any]
         try:
@@ -216,7 +237,34 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     return results
 
 
-PARTS = ("layers", "step", "ranks")
+COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def _compiled_step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+    """The resnet50 step compiled (fullgraph) per layer kind and mode, with its compile time."""
+    torch.cuda.set_device(0)
+    group = dist.new_group([rank], backend="nccl")
+    base, x, target = _resnet50_batch()
+    results: dict[str, Any] = {}
+    for kind in ("cudnn", "syncbn"):
+        for mode in COMPILE_MODES:
+            torch._dynamo.reset()
+            model = _on_gpu(copy.deepcopy(base), kind, group)
+            compiled = torch.compile(model, fullgraph=True, mode=mode)
+            step = _training_step(model, compiled, x, target)
+            try:
+                start = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - start
+                entry = _time(step, 10 if quick else 30)
+                results[f"{kind} {mode}"] = entry | {"compile_s": first_s - entry["host_ms"] / 1e3}
+            except Exception as error:  # noqa: BLE001 - recorded, the other variants still run
+                results[f"{kind} {mode}"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return results
+
+
+PARTS = ("layers", "step", "ranks", "compile")
 
 
 def _render(results: dict[str, Any]) -> str:
@@ -281,7 +329,35 @@ def _render(results: dict[str, Any]) -> str:
             ]
             layout = "channels_last" if row0["channels_last"] else "NCHW"
             lines.append(f"| {row0['shape']} | {row0['dtype']} | {layout} | {' | '.join(cells)} |")
+        lines.append("")
+    if "compile" in results and "error" not in results["compile"]:
+        lines += _render_compiled(results["compile"])
     return "\n".join(lines) + "\n"
+
+
+def _render_compiled(entries: dict[str, Any]) -> list[str]:
+    lines = [
+        "## resnet50 step under torch.compile(fullgraph=True) (bf16 autocast, channels_last)",
+        "",
+        "| layers | mode | device ms | host ms | compile s | vs compiled BN (target <= 1.1x) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode in COMPILE_MODES:
+        for kind in ("cudnn", "syncbn"):
+            entry, reference = entries[f"{kind} {mode}"], entries[f"cudnn {mode}"]
+            if "error" in entry:
+                lines.append(f"| {kind} | {mode} | {entry['error']} | | | |")
+                continue
+            ratio = (
+                f"{entry['device_ms'] / reference['device_ms']:.2f}x"
+                if "error" not in reference
+                else "-"
+            )
+            lines.append(
+                f"| {kind} | {mode} | {entry['device_ms']:.2f} | {entry['host_ms']:.2f} | "
+                f"{entry['compile_s']:.0f} | {ratio} |"
+            )
+    return [*lines, ""]
 
 
 def _run_part(part: str, quick: bool, timeout: float) -> Any:
@@ -289,6 +365,8 @@ def _run_part(part: str, quick: bool, timeout: float) -> Any:
         return run_on_ranks(_layers_rank, 1, quick, True, timeout=timeout)[0]
     if part == "step":
         return run_on_ranks(_step_rank, 1, quick, timeout=timeout)[0]
+    if part == "compile":
+        return run_on_ranks(_compiled_step_rank, 1, quick, timeout=timeout)[0]
     return run_on_ranks(_layers_rank, 2, True, False, timeout=timeout)
 
 
