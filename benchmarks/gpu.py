@@ -8,6 +8,8 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
   32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
   time per call (CUDA events, median), host time per call (the launch, without waiting),
   and host synchronizations per call (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
+  syncbn runs twice: on its generic kernels, and on ``syncbn._kernels.cuda`` (torch's fused
+  SyncBatchNorm element kernels, float32 rows only), to decide which the CUDA path keeps.
 - ``step``: a torchvision resnet50 training step (batch 32, bfloat16 autocast,
   channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step.
 - ``ranks``: the per-layer comparison with 2 ranks sharing the GPU through gloo (CUDA
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
+from syncbn import _kernels
 from syncbn._cli.launch import run_on_ranks
 from syncbn._cli.measure import machine_info
 
@@ -79,6 +82,11 @@ class _TorchSyncPath(nn.SyncBatchNorm):
             group,
             dist.get_world_size(group),
         )
+
+
+#: the layers timed per shape: cuDNN BatchNorm, torch.nn.SyncBatchNorm, syncbn on its generic
+#: kernels and on its fused CUDA kernels
+LAYER_KINDS = ("cudnn", "torch-sync", "syncbn", "syncbn-fused")
 
 
 def _layer(kind: str, channels: int, group: Any) -> nn.Module:
@@ -166,7 +174,7 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
             "dtype": dtype,
             "channels_last": channels_last,
         }
-        for kind in ("cudnn", "torch-sync", "syncbn"):
+        for kind in LAYER_KINDS:
             if kind == "cudnn" and not alone:
                 continue  # the 2-rank part compares the synchronized layers
             layer = _layer(kind, channels, group).cuda()
@@ -174,7 +182,13 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
             def call(layer: nn.Module = layer, x: torch.Tensor = x, dy: torch.Tensor = dy) -> None:
                 torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
 
-            row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+            # "syncbn-fused": the same layer on syncbn._kernels.cuda (float32 rows; lower
+            # precision keeps the generic passes), a candidate until measured faster
+            _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
+            try:
+                row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+            finally:
+                _kernels.use_device_kernels("cuda", enabled=False)
         rows.append(row)
     return rows
 
@@ -283,21 +297,22 @@ def _render(results: dict[str, Any]) -> str:
         lines += [
             "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
             "",
-            "| shape | dtype | layout | cuDNN BN | torch SyncBN | syncbn | syncbn / BN | "
-            "syncbn / torch |",
-            "|---|---|---|---|---|---|---|---|",
+            "| shape | dtype | layout | cuDNN BN | torch SyncBN | syncbn | syncbn fused | "
+            "syncbn / BN | syncbn / torch | fused / generic |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in results["layers"]:
             cells = [
                 f"{row[k]['device_ms']:.3f} / {row[k]['host_ms']:.3f} / {row[k]['syncs']}"
-                for k in ("cudnn", "torch-sync", "syncbn")
+                for k in LAYER_KINDS
             ]
             ours = row["syncbn"]["device_ms"]
             lines.append(
                 f"| {row['shape']} | {row['dtype']} | "
                 f"{'channels_last' if row['channels_last'] else 'NCHW'} | {' | '.join(cells)} | "
                 f"{ours / row['cudnn']['device_ms']:.2f}x | "
-                f"{ours / row['torch-sync']['device_ms']:.2f}x |"
+                f"{ours / row['torch-sync']['device_ms']:.2f}x | "
+                f"{row['syncbn-fused']['device_ms'] / ours:.2f}x |"
             )
         lines.append("")
     if "step" in results and "error" not in results["step"]:
@@ -319,13 +334,12 @@ def _render(results: dict[str, Any]) -> str:
         lines += [
             "## 2 ranks on one GPU through gloo (device ms per call, worst rank)",
             "",
-            "| shape | dtype | layout | torch SyncBN | syncbn |",
-            "|---|---|---|---|---|",
+            "| shape | dtype | layout | torch SyncBN | syncbn | syncbn fused |",
+            "|---|---|---|---|---|---|",
         ]
         for row0, row1 in zip(*results["ranks"]):
             cells = [
-                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}"
-                for k in ("torch-sync", "syncbn")
+                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}" for k in LAYER_KINDS[1:]
             ]
             layout = "channels_last" if row0["channels_last"] else "NCHW"
             lines.append(f"| {row0['shape']} | {row0['dtype']} | {layout} | {' | '.join(cells)} |")

@@ -134,20 +134,26 @@ def test_float32_mean_1e4_std_1_is_accurate(
     """float32 data with |mean| / std = 1e4: statistics to 1e-4 relative, and the normalized
     output to float32 rounding of the shifted data, 1e-5 (the compiled composite ops too)."""
     for pool, sizes in ((pool2, (3, 5)), (pool3, (2, 0, 6))):
-        gen = torch.Generator().manual_seed(1)
-        x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
-        var, mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
-        biased = var * (x.numel() / 4 - 1) / (x.numel() / 4)
-        expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
-        for rank, result in enumerate(pool.run(_large_mean_statistics, sizes, compiled)):
-            stats = result["stats"]
-            assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-4
-            assert ((stats[1] - var).abs() / var).max() < 1e-4
-            start = sum(sizes[:rank])
-            local = expected[start : start + sizes[rank]]
-            assert result["output"].shape == local.shape
-            # ~1e-6 measured; subtracting a float32 mean of 1e4 (rounded by ~5e-4) would miss
-            assert bool(((result["output"] - local).abs() < 1e-5).all())
+        assert_large_mean_accurate(sizes, pool.run(_large_mean_statistics, sizes, compiled))
+
+
+def assert_large_mean_accurate(sizes: tuple[int, ...], per_rank: list[dict[str, Any]]) -> None:
+    """Check :func:`_large_mean_statistics`' results against float64 statistics of the
+    same float32 data."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(sum(sizes), 4, 16, 16, generator=gen, dtype=torch.float64) + 1e4).float()
+    var, mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
+    biased = var * (x.numel() / 4 - 1) / (x.numel() / 4)
+    expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
+    for rank, result in enumerate(per_rank):
+        stats = result["stats"]
+        assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-4
+        assert ((stats[1] - var).abs() / var).max() < 1e-4
+        start = sum(sizes[:rank])
+        local = expected[start : start + sizes[rank]]
+        assert result["output"].shape == local.shape
+        # ~1e-6 measured; subtracting a float32 mean of 1e4 (rounded by ~5e-4) would miss
+        assert bool(((result["output"] - local).abs() < 1e-5).all())
 
 
 def _functional_matches(rank: int, world_size: int) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from test_masked import MaskedCase, _assert_matches, _run_masked
 from torch import nn
 
 import syncbn
-from syncbn import _protocol
+from syncbn import _kernels, _protocol
 
 pytestmark = [
     pytest.mark.cuda,
@@ -123,7 +123,7 @@ def test_nccl_group_of_one_with_the_sync_path_equals_batchnorm(pool2: WorkerPool
             torch.testing.assert_close(result["synced"][key], value, rtol=1e-4, atol=1e-5)
 
 
-def _no_host_sync(rank: int, world_size: int) -> dict[str, Any]:
+def _no_host_sync(rank: int, world_size: int, autocast: bool = True) -> dict[str, Any]:
     group = _alone_groups(world_size)[rank]
     model = _synced(_resnet_or_small(), group).cuda()
     model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -131,7 +131,7 @@ def _no_host_sync(rank: int, world_size: int) -> dict[str, Any]:
     x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(x).float().square().mean()
         loss.backward()
         optimizer.step()
@@ -206,6 +206,40 @@ def test_cuda_graph_of_a_training_step_equals_eager(pool2: WorkerPool, batch: in
                 assert torch.equal(result["graph"][key], value), key
             else:
                 torch.testing.assert_close(result["graph"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def _with_fused_kernels(rank: int, world_size: int, scenario: Any, *args: Any) -> Any:
+    """``scenario`` with syncbn._kernels.cuda (torch's fused SyncBatchNorm element kernels)
+    instead of the generic kernels: a candidate until a GPU run measures it faster."""
+    _kernels.use_device_kernels("cuda")
+    try:
+        return scenario(rank, world_size, *args)
+    finally:
+        _kernels.use_device_kernels("cuda", enabled=False)
+
+
+@pytest.mark.parametrize("check_mode", ["auto", "immediate"])
+@pytest.mark.parametrize("name", list(GOLD))
+@pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
+def test_fused_kernels_gold_on_cuda_two_ranks_through_gloo(
+    pool2: WorkerPool, name: str, check_mode: str
+) -> None:
+    case = dataclasses.replace(GOLD[name], extra={"device": "cuda", "check_mode": check_mode})
+    per_rank = pool2.run(_with_fused_kernels, run_rank, case, timeout=120.0)
+    compare(case, per_rank, reference(case))
+
+
+@pytest.mark.timeout(240)  # the scenario's own bound plus the pool's start
+def test_fused_kernels_float32_step_makes_no_host_sync(pool2: WorkerPool) -> None:
+    for result in pool2.run(_with_fused_kernels, _no_host_sync, False, timeout=180.0):
+        assert result["outcome"] == "ok"
+
+
+@pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
+def test_fused_kernels_in_a_cuda_graph_equal_eager(pool2: WorkerPool) -> None:
+    for result in pool2.run(_with_fused_kernels, _graph_capture, 4, timeout=120.0):
+        for key, value in result["eager"].items():
+            torch.testing.assert_close(result["graph"][key], value, rtol=1e-4, atol=1e-5)
 
 
 def _autocast(rank: int, world_size: int) -> dict[str, Any]:

@@ -10,7 +10,9 @@ A training call needs four big passes over the data, whatever the device:
 :func:`kernels_for` picks the implementation for a device. Today every device uses
 :mod:`syncbn._kernels.generic`, a composition of torch ops that exist on every device;
 a device with faster fused kernels (``cuda``, ``xpu``, ``mps``) adds one module that
-provides the same four functions and one entry in ``_BY_DEVICE_TYPE``.
+provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused SyncBatchNorm
+element kernels) is written but not yet measured on a GPU: it is a candidate, which
+:func:`use_device_kernels` selects, until a GPU run shows it faster.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Protocol
 
 import torch
 
-from syncbn._kernels import generic
+from syncbn._kernels import cuda, generic
 from syncbn._kernels.generic import LocalMoments
 
-__all__ = ["Kernels", "LocalMoments", "kernels_for"]
+__all__ = ["Kernels", "LocalMoments", "kernels_for", "use_device_kernels"]
 
 
 class Kernels(Protocol):
@@ -72,6 +74,27 @@ class Kernels(Protocol):
 
 #: device type -> the module implementing :class:`Kernels` for it
 _BY_DEVICE_TYPE: dict[str, ModuleType] = {}
+#: device type -> a device-specific module not yet measured faster than the generic one
+_CANDIDATES: dict[str, ModuleType] = {"cuda": cuda}
+
+
+def use_device_kernels(device_type: str, enabled: bool = True) -> None:
+    """Use (or stop using) the candidate kernels for ``device_type`` in this process.
+
+    For the GPU tests and benchmarks that compare both kernel sets.
+
+    Raises:
+        ValueError: if ``device_type`` has no candidate kernels.
+    """
+    if device_type not in _CANDIDATES:
+        raise ValueError(
+            f"no device-specific kernels for device type {device_type!r}; "
+            f"candidates: {sorted(_CANDIDATES)}"
+        )
+    if enabled:
+        _BY_DEVICE_TYPE[device_type] = _CANDIDATES[device_type]
+    else:
+        _BY_DEVICE_TYPE.pop(device_type, None)
 
 
 def kernels_for(device: torch.device) -> Kernels:

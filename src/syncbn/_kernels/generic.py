@@ -20,10 +20,12 @@ __all__ = [
     "LocalMoments",
     "backward_reduce",
     "channel_view",
+    "constants",
     "first_valid_sample",
     "input_grad",
     "local_moments",
     "normalize",
+    "output_offset",
     "zero_padded",
 ]
 
@@ -49,7 +51,7 @@ def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(
+def constants(
     num_channels: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean 0 and variance (or weight) 1, which turn batch-norm kernels into plain sums, and
@@ -158,7 +160,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
         x = input.detach().to(stat_dtype(input.dtype))
         shift = channel_view(first_valid_sample(x, valid), input.dim())
         centered = zero_padded(torch.sub(x, shift), valid, inplace=True)
-    zeros, ones, empty = _constants(num_channels, shift.dtype, shift.device)
+    zeros, ones, empty = constants(num_channels, shift.dtype, shift.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
         centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
@@ -170,6 +172,15 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     )
     total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
     return LocalMoments(total, square_total, shift, centered)
+
+
+def output_offset(
+    shift: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``bias + (shift - mean) * scale`` in float64: the output is ``(x - shift) * scale``
+    plus this, which loses nothing to a large mean (the shift is one of the data's values)."""
+    shifted = shift.view(-1) - mean
+    return shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
 
 
 def normalize(
@@ -215,8 +226,7 @@ def normalize(
             False,
         )
         return output if valid is None else zero_padded(output, valid, inplace=True)
-    shifted = moments.shift - mean
-    offset = shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
+    offset = output_offset(moments.shift, mean, scale, bias)
     ndim = centered.dim()
     scaled = centered.mul_(channel_view(scale.to(dtype), ndim))
     offset = channel_view(offset.to(dtype), ndim)
@@ -245,7 +255,7 @@ def backward_reduce(
     if input.numel() == 0:
         zeros = mean.new_zeros(mean.shape)
         return zeros, zeros.clone()
-    _, ones, empty = _constants(mean.numel(), mean.dtype, mean.device)
+    _, ones, empty = constants(mean.numel(), mean.dtype, mean.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, input, ones, mean, var, empty, empty, False, eps, [False, True, True]

@@ -1,0 +1,169 @@
+"""syncbn._kernels.cuda's maths on the CPU, with torch's CUDA-only element kernels emulated.
+
+``torch.batch_norm_elemt`` and ``torch.batch_norm_backward_elemt`` exist only for CUDA
+tensors. Here they are replaced by the formulas torch.nn.SyncBatchNorm relies on, and CPU
+tensors are routed to the CUDA kernel module, so that the gold comparison checks how syncbn
+calls them: the shift folded into the offset, the weight and ``sum(dy * (x - mean))``
+recovered from the saved statistics, the count tensor, dtypes and memory formats, and the
+generic fallbacks. ``tests/test_cuda.py`` runs the same kernels for real on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _gold import Case, compare, reference, run_rank
+from _harness import WorkerPool
+from test_collectives import _large_mean_statistics, assert_large_mean_accurate
+
+from syncbn import _kernels
+
+
+def _channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return vector.view([1, -1] + [1] * (like.dim() - 2))
+
+
+def _elemt(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """``(x - mean) * invstd * weight + bias``."""
+    output = (input - _channel(mean, input)) * _channel(invstd, input)
+    if weight is not None:
+        output = output * _channel(weight, input)
+    if bias is not None:
+        output = output + _channel(bias, input)
+    return output
+
+
+def _backward_elemt(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    sum_dy: torch.Tensor,
+    sum_dy_xmu: torch.Tensor,
+    count: torch.Tensor,
+) -> torch.Tensor:
+    """``(dy - sum_dy / N - (x - mean) * invstd**2 * sum_dy_xmu / N) * invstd * weight``
+    with ``N = count.sum()`` (an int32 tensor of per-rank counts)."""
+    assert count.dtype == torch.int32, count.dtype
+    assert grad_output.is_contiguous(memory_format=_format(input)), "layouts differ"
+    total = count.sum().to(mean.dtype)
+    factor = invstd * invstd * sum_dy_xmu / total
+    scale = invstd if weight is None else invstd * weight
+    centered = (input - _channel(mean, input)) * _channel(factor, input)
+    return (grad_output - _channel(sum_dy / total, input) - centered) * _channel(scale, input)
+
+
+def _format(tensor: torch.Tensor) -> torch.memory_format:
+    for format in (torch.channels_last, torch.channels_last_3d):
+        if not tensor.is_contiguous() and tensor.is_contiguous(memory_format=format):
+            return format
+    return torch.contiguous_format
+
+
+@contextlib.contextmanager
+def _emulated_cuda_kernels(calls: Counter[str]) -> Iterator[None]:
+    """CPU tensors use syncbn._kernels.cuda, its CUDA-only ops the formulas above."""
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> torch.Tensor:
+            calls[name] += 1
+            return fn(*args)  # type: ignore[no-any-return]
+
+        return call
+
+    saved = torch.batch_norm_elemt, torch.batch_norm_backward_elemt
+    torch.batch_norm_elemt = counted("elemt", _elemt)  # type: ignore[assignment]
+    torch.batch_norm_backward_elemt = counted("backward_elemt", _backward_elemt)  # type: ignore[assignment]
+    _kernels._BY_DEVICE_TYPE["cpu"] = _kernels.cuda
+    try:
+        yield
+    finally:
+        torch.batch_norm_elemt, torch.batch_norm_backward_elemt = saved  # type: ignore[assignment]
+        _kernels._BY_DEVICE_TYPE.pop("cpu")
+
+
+def _run_rank_emulated(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    calls: Counter[str] = Counter()
+    with _emulated_cuda_kernels(calls):
+        result = run_rank(rank, world_size, case)
+    return result | {"calls": dict(calls)}
+
+
+CASES = {
+    "float64-uneven-empty": (Case(sizes=(3, 0, 2), tail=(3, 4, 5)), True),
+    "float32": (Case(sizes=(2, 3, 1), dtype="float32", tail=(4, 6, 6)), True),
+    "float32-channels-last": (
+        Case(sizes=(1, 0, 4), dtype="float32", tail=(4, 6, 6), channels_last=True),
+        True,
+    ),
+    "channels-last-3d": (Case(sizes=(2, 1, 1), tail=(2, 3, 2, 4), channels_last=True), True),
+    "no-affine-momentum-none": (Case(sizes=(2, 2, 1), affine=False, momentum=None), True),
+    # the GPU default: the global count stays a device tensor, the kernel's int32 count too
+    "float32-deferred-checks": (
+        Case(sizes=(2, 3, 1), dtype="float32", tail=(4, 6, 6), extra={"check_mode": "deferred"}),
+        True,
+    ),
+    # low precision keeps the generic passes (the fused ones would compute in bfloat16)
+    "bfloat16-float32-params": (
+        Case(sizes=(3, 1, 2), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6)),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.timeout(120)  # the scenario's own bound plus the pool's start
+def test_cuda_kernels_with_emulated_ops_match_batchnorm_on_the_global_batch(
+    pool3: WorkerPool, name: str
+) -> None:
+    case, fused = CASES[name]
+    per_rank = pool3.run(_run_rank_emulated, case, timeout=60.0)
+    compare(case, per_rank, reference(case))
+    for rank, result in enumerate(per_rank):
+        calls = result["calls"]
+        if not fused or case.sizes[rank] == 0:  # an empty rank has nothing to normalize
+            assert calls == {}, (rank, calls)
+        else:
+            assert calls == {"elemt": case.steps, "backward_elemt": case.steps}, (rank, calls)
+
+
+def test_use_device_kernels_selects_and_deselects_the_candidate() -> None:
+    device = torch.device("cuda")
+    assert _kernels.kernels_for(device) is _kernels.generic  # type: ignore[comparison-overlap]
+    _kernels.use_device_kernels("cuda")
+    try:
+        assert _kernels.kernels_for(device) is _kernels.cuda  # type: ignore[comparison-overlap]
+    finally:
+        _kernels.use_device_kernels("cuda", enabled=False)
+    assert _kernels.kernels_for(device) is _kernels.generic  # type: ignore[comparison-overlap]
+    with pytest.raises(ValueError, match="no device-specific kernels for device type 'mps'"):
+        _kernels.use_device_kernels("mps")
+
+
+def _large_mean_emulated(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+    calls: Counter[str] = Counter()
+    with _emulated_cuda_kernels(calls):
+        result = _large_mean_statistics(rank, world_size, sizes, False)
+    assert sizes[rank] == 0 or calls["elemt"] == 1, calls
+    return result
+
+
+@pytest.mark.timeout(120)  # the scenario's own bound plus the pool's start
+def test_float32_mean_1e4_std_1_stays_accurate_through_the_fused_pass(pool3: WorkerPool) -> None:
+    """The output pass takes the shifted copy and the offset computed in float64: float32
+    data with |mean| / std = 1e4 normalizes to 1e-5, as on the generic path."""
+    sizes = (2, 0, 6)
+    assert_large_mean_accurate(sizes, pool3.run(_large_mean_emulated, sizes, timeout=60.0))
