@@ -326,12 +326,13 @@ def reduce_forward(
         if options.momentum is None and num_batches_tracked is not None:
             factor = 1.0 / (float(num_batches_tracked) + 1.0)
     else:
-        _protocol.defer_check(buffer, check)
+        header = _protocol.header_values(buffer)
+        _protocol.defer_check(buffer, check, header)
         count = _protocol.count_slot(buffer)
         if options.momentum is None and num_batches_tracked is not None:
             factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
         # a call whose checks fail moves no running statistics
-        ok = _protocol.device_ok(buffer, options.reducer.world_size, options.layer.fingerprint)
+        ok = _protocol.device_ok(header, options.reducer.world_size, options.layer.fingerprint)
         factor = ok.to(torch.float64) * factor
     return ReducedForward(buffer, count, factor, ok)
 
@@ -357,7 +358,7 @@ def synchronize_moments(
         if num_batches_tracked is not None:
             # a deferred check that fails counts no batch either (ok is 0 then)
             ok = reduced.ok
-            num_batches_tracked.add_(1 if ok is None else ok.to(num_batches_tracked.dtype))
+            num_batches_tracked.add_(1 if ok is None else ok)  # a bool adds 0 or 1
     return GlobalMoments(mean, var, count)
 
 

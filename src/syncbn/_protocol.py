@@ -52,6 +52,7 @@ __all__ = [
     "count_slot",
     "defer_check",
     "device_ok",
+    "header_values",
     "fingerprint",
     "forward_moments",
     "forward_size",
@@ -233,14 +234,18 @@ def read_header(buffer: torch.Tensor, forward: bool = True) -> Header:
     return _to_header(_header_values(buffer, forward).tolist())
 
 
-def device_ok(buffer: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
+def header_values(buffer: torch.Tensor, forward: bool = True) -> torch.Tensor:
+    """An all-reduced buffer's header, trailer and count slot, on its device (no read)."""
+    return _header_values(buffer, forward)
+
+
+def device_ok(values: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
     """A 0-dim bool tensor on the buffer's device: no error flag, same layer, count != 1.
 
-    Computed without reading anything back; used to mask the running-statistics update
-    of a call whose checks are deferred.
+    Computed without reading anything back from a forward buffer's :func:`header_values`;
+    used to mask the running-statistics update of a call whose checks are deferred.
     """
-    values = _header_values(buffer, forward=True)
-    expected = _expected_header(world_size, own_fingerprint, buffer.device)
+    expected = _expected_header(world_size, own_fingerprint, values.device)
     return torch.eq(values[:4], expected).all() & values[4].ne(1.0)
 
 
@@ -332,14 +337,20 @@ def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def defer_check(buffer: torch.Tensor, check: HeaderCheck) -> None:
+def defer_check(
+    buffer: torch.Tensor, check: HeaderCheck, values: torch.Tensor | None = None
+) -> None:
     """Start copying the header to the host without waiting; :func:`raise_deferred` checks it.
 
     Inside a CUDA graph capture nothing is recorded: the host is not there at replay.
+
+    Args:
+        values: the buffer's :func:`header_values`, if the caller has them already.
     """
     if _is_capturing(buffer.device):
         return
-    values = _header_values(buffer, forward=check.phase == "forward")
+    if values is None:
+        values = _header_values(buffer, forward=check.phase == "forward")
     ready = None
     if buffer.device.type == "cuda":
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
