@@ -39,12 +39,12 @@ __all__ = [
     "Exchange",
     "ShiftedMoments",
     "batch_norm_train",
+    "computed_once",
     "keep_local",
     "mask_problem",
     "normalize",
     "pack_moments",
     "shifted_moments",
-    "computed_once",
     "valid_positions",
     "zero_padded",
 ]
