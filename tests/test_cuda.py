@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from test_kernels_cuda import counted_cuda_ops, expected_calls
 from test_masked import MaskedCase, _assert_matches, _run_masked
 from torch import nn
 
@@ -218,15 +220,27 @@ def _with_fused_kernels(rank: int, world_size: int, scenario: Any, *args: Any) -
         _kernels.use_device_kernels("cuda", enabled=False)
 
 
+def _gold_with_fused_kernels(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    calls: Counter[str] = Counter()
+    with counted_cuda_ops(calls):
+        result = _with_fused_kernels(rank, world_size, run_rank, case)
+    return result | {"calls": dict(calls)}  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("check_mode", ["auto", "immediate"])
 @pytest.mark.parametrize("name", list(GOLD))
 @pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
 def test_fused_kernels_gold_on_cuda_two_ranks_through_gloo(
     pool2: WorkerPool, name: str, check_mode: str
 ) -> None:
+    """The gold cases on syncbn._kernels.cuda; float32 and float64 calls with a local batch
+    run the fused ops (counted), half precision keeps the generic passes."""
     case = dataclasses.replace(GOLD[name], extra={"device": "cuda", "check_mode": check_mode})
-    per_rank = pool2.run(_with_fused_kernels, run_rank, case, timeout=120.0)
+    per_rank = pool2.run(_gold_with_fused_kernels, case, timeout=120.0)
     compare(case, per_rank, reference(case))
+    fused = case.dtype in ("float32", "float64")
+    for rank, result in enumerate(per_rank):
+        assert result["calls"] == expected_calls(case, rank, fused), (rank, result["calls"])
 
 
 @pytest.mark.timeout(240)  # the scenario's own bound plus the pool's start

@@ -74,8 +74,12 @@ def _format(tensor: torch.Tensor) -> torch.memory_format:
 
 
 @contextlib.contextmanager
-def _emulated_cuda_kernels(calls: Counter[str]) -> Iterator[None]:
-    """CPU tensors use syncbn._kernels.cuda, its CUDA-only ops the formulas above."""
+def counted_cuda_ops(
+    calls: Counter[str], elemt: Any = None, backward_elemt: Any = None
+) -> Iterator[None]:
+    """``torch.batch_norm_elemt`` and ``torch.batch_norm_backward_elemt`` counted in
+    ``calls`` (and replaced by ``elemt`` and ``backward_elemt``, where given)."""
+    saved = torch.batch_norm_elemt, torch.batch_norm_backward_elemt
 
     def counted(name: str, fn: Any) -> Any:
         def call(*args: Any) -> torch.Tensor:
@@ -84,15 +88,32 @@ def _emulated_cuda_kernels(calls: Counter[str]) -> Iterator[None]:
 
         return call
 
-    saved = torch.batch_norm_elemt, torch.batch_norm_backward_elemt
-    torch.batch_norm_elemt = counted("elemt", _elemt)  # type: ignore[assignment]
-    torch.batch_norm_backward_elemt = counted("backward_elemt", _backward_elemt)  # type: ignore[assignment]
-    _kernels._BY_DEVICE_TYPE["cpu"] = _kernels.cuda
+    torch.batch_norm_elemt = counted("elemt", elemt or saved[0])  # type: ignore[assignment]
+    torch.batch_norm_backward_elemt = counted(  # type: ignore[assignment]
+        "backward_elemt", backward_elemt or saved[1]
+    )
     try:
         yield
     finally:
         torch.batch_norm_elemt, torch.batch_norm_backward_elemt = saved  # type: ignore[assignment]
-        _kernels._BY_DEVICE_TYPE.pop("cpu")
+
+
+@contextlib.contextmanager
+def _emulated_cuda_kernels(calls: Counter[str]) -> Iterator[None]:
+    """CPU tensors use syncbn._kernels.cuda, its CUDA-only ops the formulas above."""
+    with counted_cuda_ops(calls, _elemt, _backward_elemt):
+        _kernels._BY_DEVICE_TYPE["cpu"] = _kernels.cuda
+        try:
+            yield
+        finally:
+            _kernels._BY_DEVICE_TYPE.pop("cpu")
+
+
+def expected_calls(case: Case, rank: int, fused: bool) -> dict[str, int]:
+    """The fused ops a rank calls over ``case``: one of each per step with a local batch."""
+    if not fused or case.sizes[rank] == 0:  # an empty rank has nothing to normalize
+        return {}
+    return {"elemt": case.steps, "backward_elemt": case.steps}
 
 
 def _run_rank_emulated(rank: int, world_size: int, case: Case) -> dict[str, Any]:
@@ -133,11 +154,7 @@ def test_cuda_kernels_with_emulated_ops_match_batchnorm_on_the_global_batch(
     per_rank = pool3.run(_run_rank_emulated, case, timeout=60.0)
     compare(case, per_rank, reference(case))
     for rank, result in enumerate(per_rank):
-        calls = result["calls"]
-        if not fused or case.sizes[rank] == 0:  # an empty rank has nothing to normalize
-            assert calls == {}, (rank, calls)
-        else:
-            assert calls == {"elemt": case.steps, "backward_elemt": case.steps}, (rank, calls)
+        assert result["calls"] == expected_calls(case, rank, fused), (rank, result["calls"])
 
 
 def test_use_device_kernels_selects_and_deselects_the_candidate() -> None:
