@@ -125,6 +125,36 @@ def test_nccl_group_of_one_with_the_sync_path_equals_batchnorm(pool2: WorkerPool
             torch.testing.assert_close(result["synced"][key], value, rtol=1e-4, atol=1e-5)
 
 
+def _timm_alone(rank: int, world_size: int) -> dict[str, Any]:
+    """timm's efficientnet_b0 (49 BatchNormAct2d layers, converted by syncbn's timm
+    converter) on CUDA in float64, synchronized through an nccl group of one rank."""
+    import timm
+
+    group = _alone_groups(world_size)[rank]
+    torch.manual_seed(rank)
+    plain = timm.create_model("efficientnet_b0", num_classes=10).cuda().double()
+    synced = _synced(copy.deepcopy(plain), group)
+    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float64)
+    results: dict[str, Any] = {
+        "converted": sum(isinstance(m, syncbn.SyncBatchNorm) for m in synced.modules())
+    }
+    for name, model in (("plain", plain), ("synced", synced)):
+        model(x).square().sum().backward()
+        results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()} | {
+            f"grad.{k}": g.cpu() for k, g in _grads(model)
+        }
+    return results
+
+
+@pytest.mark.timeout(240)  # the scenario's own bound plus the pool's start
+def test_a_timm_model_on_cuda_equals_its_batchnorm_original(pool2: WorkerPool) -> None:
+    pytest.importorskip("timm")
+    for result in pool2.run(_timm_alone, timeout=180.0):
+        assert result["converted"] == 49
+        for key, value in result["plain"].items():
+            torch.testing.assert_close(result["synced"][key], value, rtol=1e-9, atol=1e-10)
+
+
 def _no_host_sync(rank: int, world_size: int, autocast: bool = True) -> dict[str, Any]:
     group = _alone_groups(world_size)[rank]
     model = _synced(_resnet_or_small(), group).cuda()
