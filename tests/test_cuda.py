@@ -102,13 +102,8 @@ def _resnet_or_small() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def _nccl_alone(rank: int, world_size: int) -> dict[str, Any]:
-    _no_tf32()
-    group = _alone_groups(world_size)[rank]
-    torch.manual_seed(rank)
-    plain = _small_model().cuda()
-    synced = _synced(copy.deepcopy(plain), group)
-    x = torch.randn(5, 3, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+def _one_step_each(plain: nn.Module, synced: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """One backward step of each model on ``x``: their states and gradients, on the CPU."""
     results = {}
     for name, model in (("plain", plain), ("synced", synced)):
         model(x).square().sum().backward()
@@ -116,6 +111,16 @@ def _nccl_alone(rank: int, world_size: int) -> dict[str, Any]:
             f"grad.{k}": g.cpu() for k, g in _grads(model)
         }
     return results
+
+
+def _nccl_alone(rank: int, world_size: int) -> dict[str, Any]:
+    _no_tf32()
+    group = _alone_groups(world_size)[rank]
+    torch.manual_seed(rank)
+    plain = _small_model().cuda()
+    synced = _synced(copy.deepcopy(plain), group)
+    x = torch.randn(5, 3, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    return _one_step_each(plain, synced, x)
 
 
 @pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
@@ -135,15 +140,8 @@ def _timm_alone(rank: int, world_size: int) -> dict[str, Any]:
     plain = timm.create_model("efficientnet_b0", num_classes=10).cuda().double()
     synced = _synced(copy.deepcopy(plain), group)
     x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float64)
-    results: dict[str, Any] = {
-        "converted": sum(isinstance(m, syncbn.SyncBatchNorm) for m in synced.modules())
-    }
-    for name, model in (("plain", plain), ("synced", synced)):
-        model(x).square().sum().backward()
-        results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()} | {
-            f"grad.{k}": g.cpu() for k, g in _grads(model)
-        }
-    return results
+    converted = sum(isinstance(m, syncbn.SyncBatchNorm) for m in synced.modules())
+    return _one_step_each(plain, synced, x) | {"converted": converted}
 
 
 @pytest.mark.timeout(240)  # the scenario's own bound plus the pool's start
