@@ -363,3 +363,13 @@ def test_masked_calls_on_cuda_match_the_gathered_reference(pool2: WorkerPool, na
     equal torch.nn.BatchNorm1d on the valid positions of both ranks, in float64."""
     case = MASKED[name]
     _assert_matches(case, pool2.run(_run_masked, case, timeout=240.0))
+
+
+@pytest.mark.parametrize("name", ["eager", "channels-last"])
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+def test_fused_kernels_masked_calls_match_the_gathered_reference(
+    pool2: WorkerPool, name: str
+) -> None:
+    """The same masked calls on syncbn._kernels.cuda (its fused input-gradient pass)."""
+    case = MASKED[name]
+    _assert_matches(case, pool2.run(_with_fused_kernels, _run_masked, case, timeout=240.0))

@@ -20,6 +20,7 @@ import torch
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from test_collectives import _large_mean_statistics, assert_large_mean_accurate
+from test_masked import MaskedCase, _assert_matches, _run_masked
 
 from syncbn import _kernels
 
@@ -184,3 +185,23 @@ def test_float32_mean_1e4_std_1_stays_accurate_through_the_fused_pass(pool3: Wor
     data with |mean| / std = 1e4 normalizes to 1e-5, as on the generic path."""
     sizes = (2, 0, 6)
     assert_large_mean_accurate(sizes, pool3.run(_large_mean_emulated, sizes, timeout=60.0))
+
+
+def _masked_emulated(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
+    calls: Counter[str] = Counter()
+    with _emulated_cuda_kernels(calls):
+        result = _run_masked(rank, world_size, case)
+    return result | {"calls": dict(calls)}
+
+
+@pytest.mark.timeout(120)  # the scenario's own bound plus the pool's start
+def test_masked_calls_fuse_the_input_gradient_only(pool3: WorkerPool) -> None:
+    """A masked call's output pass stays generic (it zeroes padded positions), its input
+    gradient is the fused pass (backward zeroes the padded positions of its inputs before
+    and of its output after): the gathered-valid-positions reference still holds, NaN at
+    padded positions included."""
+    case = MaskedCase(sizes=(3, 0, 4), valid=(0.6, 0.5, 0.7), tail=(3, 4, 5))
+    per_rank = pool3.run(_masked_emulated, case, timeout=60.0)
+    _assert_matches(case, per_rank)
+    for size, result in zip(case.sizes, per_rank):
+        assert result["calls"] == ({"backward_elemt": case.steps} if size else {}), result
