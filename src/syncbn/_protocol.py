@@ -220,7 +220,8 @@ def _expected_header(world_size: int, fingerprint: int, device: torch.device) ->
     return _on_device([0.0, world_size * f, world_size * f * f, world_size * f], PACK_DTYPE, device)
 
 
-def _header_values(buffer: torch.Tensor, forward: bool) -> torch.Tensor:
+def header_values(buffer: torch.Tensor, forward: bool = True) -> torch.Tensor:
+    """An all-reduced buffer's header, trailer and count slot, on its device (no read)."""
     return buffer.index_select(0, _header_slots(buffer.numel(), forward, buffer.device))
 
 
@@ -231,12 +232,7 @@ def _to_header(values: list[float]) -> Header:
 
 def read_header(buffer: torch.Tensor, forward: bool = True) -> Header:
     """Copy an all-reduced buffer's header, trailer and count slot to the host (one read)."""
-    return _to_header(_header_values(buffer, forward).tolist())
-
-
-def header_values(buffer: torch.Tensor, forward: bool = True) -> torch.Tensor:
-    """An all-reduced buffer's header, trailer and count slot, on its device (no read)."""
-    return _header_values(buffer, forward)
+    return _to_header(header_values(buffer, forward).tolist())
 
 
 def device_ok(values: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
@@ -350,7 +346,7 @@ def defer_check(
     if _is_capturing(buffer.device):
         return
     if values is None:
-        values = _header_values(buffer, forward=check.phase == "forward")
+        values = header_values(buffer, forward=check.phase == "forward")
     ready = None
     if buffer.device.type == "cuda":
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
