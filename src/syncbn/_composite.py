@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from syncbn import _stats
-from syncbn._kernels.generic import channel_view, first_valid_sample
+from syncbn._kernels.generic import channel_view, first_valid_sample, output_offset
 
 __all__ = [
     "Exchange",
@@ -169,9 +169,7 @@ def normalize(
     scale`` in float64 (``mean`` and ``scale`` are float64), then one pass in the
     statistics dtype, in the input's dtype and memory format at the end.
     """
-    offset = (moments.shift.to(torch.float64) - mean) * scale
-    if bias is not None:
-        offset = offset + bias.to(torch.float64)
+    offset = output_offset(moments.shift, mean, scale, bias)
     centered = moments.centered
     ndim, dtype = centered.dim(), centered.dtype
     scale, offset = computed_once(scale.to(dtype)), computed_once(offset.to(dtype))

@@ -177,10 +177,12 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
 def output_offset(
     shift: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``bias + (shift - mean) * scale`` in float64: the output is ``(x - shift) * scale``
-    plus this, which loses nothing to a large mean (the shift is one of the data's values)."""
+    """``bias + (shift - mean) * scale`` in float64 (``mean`` and ``scale`` are float64): the
+    output is ``(x - shift) * scale`` plus this, which loses nothing to a large mean (the
+    shift is one of the data's values)."""
     shifted = shift.view(-1) - mean
-    return shifted.mul_(scale) if bias is None else torch.addcmul(bias, shifted, scale)
+    # out of place: under torch.compile (syncbn._composite) this is differentiated
+    return shifted * scale if bias is None else torch.addcmul(bias, shifted, scale)
 
 
 def normalize(
