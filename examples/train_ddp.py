@@ -184,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         train(args, rank, world_size, device)
+        # gloo's worker threads release a finished collective's tensors after the
+        # collective returns, and take the GIL to do it: a rank that exits right after its
+        # last collective can be finalizing Python by then, and aborts ("terminate called
+        # without an active exception"; ~1 run of 6 of examples/masked_sequences.py on 2
+        # CPU cores, before it had this barrier). The barrier waits with the GIL released,
+        # so that they are done first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

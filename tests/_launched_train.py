@@ -82,9 +82,11 @@ def main(argv: list[str]) -> int:
     torch.testing.assert_close(state["running_var"], global_batch.var(0))
     assert not torch.allclose(state["running_mean"], x.mean(0), atol=1.0)  # not local ones
     (Path(args.out) / f"ok{rank}").write_text("ok")
-    # tear down together: once in CI (1 run of 4 that day) rank 1 aborted in gloo's teardown
-    # ("terminate called without an active exception") after its checks, while rank 0 was
-    # already closing its side; not reproduced in 22 runs since
+    # gloo's worker threads release a finished collective's tensors after the collective
+    # returns, taking the GIL: a rank that exits at once can be finalizing Python by then, and
+    # aborts ("terminate called without an active exception"; seen once in CI, and in ~1 run
+    # of 6 of examples/masked_sequences.py before it had a barrier). The barrier waits with
+    # the GIL released, so that they are done first.
     dist.barrier()
     dist.destroy_process_group()
     return 0
