@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
-from syncbn._kernels import kernels_for
+from syncbn._kernels import LocalMoments, kernels_for
 
 __all__ = [
     "GlobalMoments",
@@ -32,6 +32,7 @@ __all__ = [
     "ReducedForward",
     "Reducer",
     "TrainOptions",
+    "backward_input",
     "backward_train",
     "first_given",
     "forward_train",
@@ -256,10 +257,14 @@ class ForwardResult(NamedTuple):
     """What a training forward returns, and what its backward needs."""
 
     output: torch.Tensor
-    #: ``(3, C)`` mean, biased variance and ``weight / sqrt(var + eps)``, statistics dtype
+    #: ``(3, C)`` the mean of :attr:`backward_input`, the biased variance and
+    #: ``weight / sqrt(var + eps)``, in the statistics dtype
     saved: torch.Tensor
     #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
     global_count: int | torch.Tensor
+    #: what backward takes as the input: the input itself, or for a masked call a tensor
+    #: that is zero at padded positions (see :func:`backward_input`)
+    backward_input: torch.Tensor
     #: ``(N, 1, *)`` bool, True at the valid positions of a masked call; ``None`` unmasked
     valid: torch.Tensor | None = None
 
@@ -408,13 +413,11 @@ def forward_train(
             problem = mask_problem(mask, input)
         if problem is not None:
             raise problem
-        local_count: int | torch.Tensor = input.numel() // num_channels
         if mask is not None:
             valid = valid_positions(mask, input)
-            local_count = valid.sum(dtype=_protocol.PACK_DTYPE)
         moments = kernels.local_moments(input, valid)
         buffer = _protocol.pack_forward(
-            local_count, moments.total, moments.square_total, options.layer.fingerprint
+            moments.count, moments.total, moments.square_total, options.layer.fingerprint
         )
     mean, var, count = synchronize_moments(
         buffer,
@@ -428,7 +431,28 @@ def forward_train(
     scale = _stats.scale(var, options.eps, weight)
     saved = torch.stack([mean, var, scale]).to(_stats.stat_dtype(input.dtype))
     output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps, valid)
-    return ForwardResult(output, saved, count, valid)
+    if valid is None:
+        return ForwardResult(output, saved, count, input)
+    saved_input, saved_mean = backward_input(input, moments, mean, valid)
+    saved = torch.stack([saved_mean, var, scale]).to(saved.dtype)
+    return ForwardResult(output, saved, count, saved_input, valid)
+
+
+def backward_input(
+    input: torch.Tensor, moments: LocalMoments, mean: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a masked call's backward takes as its input, and that tensor's mean (float64).
+
+    It is zero at padded positions, so that nothing the input holds there (NaN included)
+    reaches a gradient: the local moments' shifted copy, which a masked
+    :meth:`~syncbn._kernels.Kernels.normalize` leaves intact (its mean is ``mean - shift``),
+    or, where that copy is in another dtype than the input (low precision: float32, twice
+    the input's size), a zeroed copy of the input.
+    """
+    centered = moments.centered
+    if centered is not None and centered.dtype == input.dtype:
+        return centered, mean - moments.shift
+    return kernels_for(input.device).zero_padded(input, valid), mean
 
 
 def backward_train(
@@ -444,9 +468,13 @@ def backward_train(
 
     The collective happens only when the input needs a gradient, which is the same on
     every rank. An exception before it joins it with the error flag, as in forward.
-    A masked call (``valid``) zeroes the output gradient and the input at padded
-    positions first (whatever they hold, they then add nothing to the sums), and the
-    input gradient there last.
+    A masked call (``valid``) zeroes the output gradient at padded positions first
+    (whatever it holds there, it then adds nothing to the sums; ``input`` is the forward's
+    :attr:`ForwardResult.backward_input`, already zero there), and the input gradient
+    there last.
+
+    Args:
+        saved: :attr:`ForwardResult.saved`: its mean is that of ``input``.
     """
     need_input, need_weight, need_bias = needs_grad
     mean, var, _ = saved.unbind()
@@ -454,7 +482,6 @@ def backward_train(
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if valid is not None:
             grad_output = kernels.zero_padded(grad_output, valid)
-            input = kernels.zero_padded(input, valid)
         sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
         if need_input:
             buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
@@ -485,7 +512,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
-        ctx.save_for_backward(input, result.saved, result.valid)
+        ctx.save_for_backward(result.backward_input, result.saved, result.valid)
         ctx.count = result.global_count
         ctx.options = options
         ctx.param_dtypes = (

@@ -43,6 +43,9 @@ class LocalMoments(NamedTuple):
     shift: torch.Tensor
     #: the shifted copy, in the statistics dtype and the input's memory format, or ``None``
     centered: torch.Tensor | None
+    #: the number of values per channel: a number, or for a masked call the number of
+    #: valid positions as a 0-dim float64 tensor
+    count: int | torch.Tensor
 
 
 def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -87,18 +90,14 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[n, :, i, j, ...]`` at the flat position ``index`` (shape ``(1,)``) of ``(N, *)``.
 
     A ``(C,)`` tensor. ``index`` stays a tensor (no host read), and ``index_select``
-    rather than indexing keeps it so under ``torch.compile`` too.
+    rather than indexing keeps it so under ``torch.compile`` too. The positions after the
+    channel dimension are flattened into one: a view for contiguous and channels-last
+    tensors (a copy for other strides).
     """
-    sizes = [x.shape[0], *x.shape[2:]]
-    coordinates = []
-    for size in reversed(sizes[1:]):
-        coordinates.append(index % size)
-        index = index // size
-    coordinates.append(index)
-    dims = [0, *range(2, x.dim())]
-    for dim, coordinate in zip(dims, reversed(coordinates)):
-        x = x.index_select(dim, coordinate)
-    return x.reshape(x.shape[1])
+    positions = x.flatten(2) if x.dim() > 2 else x.unsqueeze(2)  # (N, C, L)
+    length = positions.shape[2]
+    sample = positions.index_select(0, index // length)
+    return sample.index_select(2, index % length).reshape(x.shape[1])
 
 
 #: the integer dtype of each floating dtype's width, for :func:`zero_padded`
@@ -152,7 +151,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     count: int | torch.Tensor = input.numel() // num_channels
     if count == 0:
         zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
-        return LocalMoments(zeros, zeros.clone(), zeros, None)
+        return LocalMoments(zeros, zeros.clone(), zeros, None, 0)
     if valid is None:
         centered, shift = _center(input)
     else:
@@ -171,7 +170,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
         .unbind()
     )
     total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
-    return LocalMoments(total, square_total, shift, centered)
+    return LocalMoments(total, square_total, shift, centered, count)
 
 
 def output_offset(
@@ -206,7 +205,8 @@ def normalize(
 
     With ``valid`` (``(N, 1, *)`` bool), padded positions of the output are zero: the
     shifted copy is zero there, and the offset is added where valid only (one ``addcmul_``
-    instead of ``add_``).
+    instead of ``add_``). The output is then a new tensor: the shifted copy, zero at
+    padded positions and finite, is what a masked backward takes as its input.
 
     Args:
         saved: ``(3, C)`` mean, variance and scale in the statistics dtype.
@@ -230,11 +230,11 @@ def normalize(
         return output if valid is None else zero_padded(output, valid, inplace=True)
     offset = output_offset(moments.shift, mean, scale, bias)
     ndim = centered.dim()
-    scaled = centered.mul_(channel_view(scale.to(dtype), ndim))
+    scale = channel_view(scale.to(dtype), ndim)
     offset = channel_view(offset.to(dtype), ndim)
     if valid is None:
-        return scaled.add_(offset)
-    return scaled.addcmul_(valid.to(dtype), offset)
+        return centered.mul_(scale).add_(offset)
+    return torch.mul(centered, scale).addcmul_(valid.to(dtype), offset)
 
 
 def backward_reduce(
