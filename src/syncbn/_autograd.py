@@ -417,7 +417,7 @@ def forward_train(
             valid = valid_positions(mask, input)
         moments = kernels.local_moments(input, valid)
         buffer = _protocol.pack_forward(
-            moments.count, moments.total, moments.square_total, options.layer.fingerprint
+            moments.local_count, moments.total, moments.square_total, options.layer.fingerprint
         )
     mean, var, count = synchronize_moments(
         buffer,

@@ -15,8 +15,8 @@ Both passes compute in the statistics dtype, as the generic ones do. Low-precisi
 empty batches and tensors with other strides than contiguous or channels last take the
 generic path; so does a masked call's output (it zeroes padded positions), while its input
 gradient is the fused pass (over the output gradient zeroed at padded positions and the
-forward's zeroed shifted copy; the gradient is zeroed there after). These ops exist only for CUDA tensors; the four-function
-interface is that of :mod:`syncbn._kernels`.
+forward's zeroed shifted copy; the gradient is zeroed there after). These ops exist only
+for CUDA tensors; the four-function interface is that of :mod:`syncbn._kernels`.
 
 Not used until measured: :func:`syncbn._kernels.use_device_kernels` selects it (issue 19:
 keep it where a GPU run finds it faster than the generic kernels).

@@ -45,7 +45,7 @@ class LocalMoments(NamedTuple):
     centered: torch.Tensor | None
     #: the number of values per channel: a number, or for a masked call the number of
     #: valid positions as a 0-dim float64 tensor
-    count: int | torch.Tensor
+    local_count: int | torch.Tensor
 
 
 def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
