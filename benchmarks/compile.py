@@ -346,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(
             args.steps, args.device, cache_dir, args.batch, args.sync_alone, args.no_transport
         )
-        results = run_on_ranks(_rank, args.world_size, settings, backend=backend, timeout=1200)
+        # each rank recompiles for a new batch size at its own step (SIZES differ by rank)
+        # while the other waits for it in a collective: a compile can outlast the default
+        # 60 s process-group timeout on 2 cores (it did once)
+        results = run_on_ranks(
+            _rank, args.world_size, settings, backend=backend, timeout=1200, pg_timeout=900
+        )
     info = machine_info()
     text = _render(results, info, args)
     args.out.write_text(text)
