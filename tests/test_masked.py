@@ -228,9 +228,7 @@ def test_bfloat16_input_with_float32_parameters() -> None:
     torch.testing.assert_close(_valid_rows(y.float(), mask), expected, rtol=0.02, atol=0.02)
     assert bool((_valid_rows(y, ~mask) == 0).all())
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(
-        _valid_rows(x.grad.float(), mask), rows.grad, rtol=0.05, atol=0.05
-    )
+    torch.testing.assert_close(_valid_rows(x.grad.float(), mask), rows.grad, rtol=0.05, atol=0.05)
     assert bool((_valid_rows(x.grad, ~mask) == 0).all())
     for mine, theirs in ((layer.weight, reference.weight), (layer.bias, reference.bias)):
         assert mine.grad is not None and theirs.grad is not None
