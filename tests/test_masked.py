@@ -208,18 +208,19 @@ def test_float32_with_a_large_mean_stays_accurate() -> None:
     _assert_matches(case, [result], rtol=1e-3, atol=2e-3)
 
 
-def test_bfloat16_input_with_float32_parameters() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_input_with_float32_parameters(dtype: torch.dtype) -> None:
     """Low precision takes its own backward input (a zeroed copy of the input, not the
     float32 shifted copy): NaN at padded positions and a gradient there reach nothing."""
     torch.manual_seed(0)
-    x = torch.randn(6, 3, 20).to(torch.bfloat16)
+    x = torch.randn(6, 3, 20).to(dtype)
     mask = torch.rand(6, 20) < 0.7
     x[~mask.unsqueeze(1).expand_as(x)] = float("nan")
     x.requires_grad_()
-    grad = torch.randn(6, 3, 20).to(torch.bfloat16)  # non-zero at padded positions too
+    grad = torch.randn(6, 3, 20).to(dtype)  # non-zero at padded positions too
     layer = syncbn.SyncBatchNorm(3)
     y = layer(x, mask)
-    assert y.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
+    assert y.dtype == dtype and layer.weight.dtype == torch.float32
     y.backward(grad)
     rows = _valid_rows(x.detach().float(), mask).requires_grad_()
     reference = nn.BatchNorm1d(3)
@@ -227,7 +228,7 @@ def test_bfloat16_input_with_float32_parameters() -> None:
     expected.backward(_valid_rows(grad.float(), mask))
     torch.testing.assert_close(_valid_rows(y.float(), mask), expected, rtol=0.02, atol=0.02)
     assert bool((_valid_rows(y, ~mask) == 0).all())
-    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    assert x.grad is not None and x.grad.dtype == dtype
     torch.testing.assert_close(_valid_rows(x.grad.float(), mask), rows.grad, rtol=0.05, atol=0.05)
     assert bool((_valid_rows(x.grad, ~mask) == 0).all())
     for mine, theirs in ((layer.weight, reference.weight), (layer.bias, reference.bias)):
