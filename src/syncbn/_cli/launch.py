@@ -156,14 +156,17 @@ def _rank_main(
     except BaseException:  # also KeyboardInterrupt and SystemExit in the rank
         report = ("error", time.time(), traceback.format_exc())
     outbox.put((rank, *report))
+    # the report is in the pipe before any teardown: gloo can abort a process at exit (a
+    # worker thread that releases a collective's tensors while Python finalizes), which
+    # would otherwise lose a report still in the queue's feeder thread
+    outbox.close()
+    outbox.join_thread()
     if teardown:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
     else:
-        outbox.close()
-        outbox.join_thread()
         os._exit(0)  # skip the process group's teardown, which may wait for dead peers
 
 
