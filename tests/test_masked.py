@@ -460,6 +460,32 @@ def test_zero_padded_equals_where_whatever_the_padded_values(dtype: torch.dtype)
     assert torch.equal(zero_padded(x.clone(), valid, inplace=True), expected)
 
 
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(3, 4, 5, 6),
+        torch.randn(3, 4, 5, 6).contiguous(memory_format=torch.channels_last),
+        torch.randn(3, 4, 5, 12)[:, :, :, ::2],  # strides of no memory format
+        torch.randn(2, 4, 3, 5, 6),
+        torch.randn(7, 4),
+    ],
+    ids=["NCHW", "channels_last", "strided", "NCDHW", "NC"],
+)
+def test_the_shift_is_the_first_valid_sample(x: torch.Tensor) -> None:
+    from syncbn._kernels.generic import first_valid_sample
+
+    positions = (x.shape[0], 1, *x.shape[2:])
+    valid = torch.rand(positions) < 0.2
+    valid.view(-1)[:5] = False
+    valid.view(-1)[-1] = True  # at least one
+    x = x.clone()
+    x[~valid.expand_as(x)] = float("nan")  # padded values never become the shift
+    first = x.movedim(1, -1)[valid.squeeze(1)][0]  # the valid positions in flat order
+    assert torch.equal(first_valid_sample(x, valid), first)
+    nothing_valid = first_valid_sample(x, torch.zeros(positions, dtype=torch.bool))
+    assert torch.equal(nothing_valid, torch.zeros(x.shape[1]))
+
+
 class _MaskedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ The shift is added back exactly in float64. The big passes are fused torch kerne
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -90,14 +91,13 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[n, :, i, j, ...]`` at the flat position ``index`` (shape ``(1,)``) of ``(N, *)``.
 
     A ``(C,)`` tensor. ``index`` stays a tensor (no host read), and ``index_select``
-    rather than indexing keeps it so under ``torch.compile`` too. The positions after the
-    channel dimension are flattened into one: a view for contiguous and channels-last
-    tensors (a copy for other strides).
+    rather than indexing keeps it so under ``torch.compile`` too. The sample is selected
+    first, then its positions are flattened into one (a copy of that sample at most).
     """
-    positions = x.flatten(2) if x.dim() > 2 else x.unsqueeze(2)  # (N, C, L)
-    length = positions.shape[2]
-    sample = positions.index_select(0, index // length)
-    return sample.index_select(2, index % length).reshape(x.shape[1])
+    length = math.prod(x.shape[2:])
+    sample = x.index_select(0, index // length)  # (1, C, *)
+    positions = sample.flatten(2) if x.dim() > 2 else sample.unsqueeze(2)  # (1, C, L)
+    return positions.index_select(2, index % length).reshape(x.shape[1])
 
 
 #: the integer dtype of each floating dtype's width, for :func:`zero_padded`
