@@ -17,6 +17,10 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
 - ``compile``: the same resnet50 step under ``torch.compile(fullgraph=True)``, modes
   ``default`` and ``reduce-overhead``, syncbn against cuDNN BatchNorm (issue 20's target:
   at most 1.1x); torch.nn.SyncBatchNorm is left out (it breaks the graph).
+- ``masked``: forward+backward of a masked call (80 % of the positions valid) against an
+  unmasked one, eager, on syncbn's generic and fused kernels, float32 and bfloat16, at
+  three ResNet-50 shapes and a Conformer-style ``(32, 256, 400)`` (issue 21's target: at
+  most 1.3x).
 
 The single-process parts use an nccl group of one rank, where both synchronized layers
 would fall back to BatchNorm; their sync paths are forced (``SyncBatchNorm._sync_alone`` for
@@ -251,6 +255,64 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     return results
 
 
+#: ``(N, C, *positions)`` of the masked part, and the share of valid positions in its masks
+MASKED_SHAPES = [(32, 64, 112, 112), (32, 512, 28, 28), (32, 2048, 7, 7), (32, 256, 400)]
+MASKED_VALID = 0.8
+MASKED_DTYPES = ("float32", "bfloat16")
+
+
+def _masked_rows(
+    make_layer: Callable[[int], nn.Module],
+    device: torch.device,
+    shapes: list[tuple[int, ...]],
+    timer: Callable[[Callable[[], object]], dict[str, float]],
+) -> list[dict[str, Any]]:
+    """Per shape and dtype, ``timer``'s numbers for an unmasked and a masked call of a
+    synchronized layer, on the generic kernels (``syncbn``) and the fused ones
+    (``syncbn-fused``; they apply to CUDA tensors only)."""
+    rows = []
+    for shape in shapes:
+        for dtype in MASKED_DTYPES:
+            x = torch.randn(shape, device=device, dtype=DTYPES[dtype]).requires_grad_()
+            dy = torch.randn_like(x)
+            mask = torch.rand((shape[0], *shape[2:]), device=device) < MASKED_VALID
+            row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "dtype": dtype}
+            for kernels in ("syncbn", "syncbn-fused"):
+                layer = make_layer(shape[1]).to(device)
+                for name, call_mask in (("unmasked", None), ("masked", mask)):
+
+                    def call(
+                        layer: nn.Module = layer,
+                        call_mask: torch.Tensor | None = call_mask,
+                        x: torch.Tensor = x,
+                        dy: torch.Tensor = dy,
+                    ) -> None:
+                        y = layer(x, call_mask)
+                        torch.autograd.grad(y, (x, *layer.parameters()), dy)
+
+                    _kernels.use_device_kernels("cuda", enabled=kernels == "syncbn-fused")
+                    try:
+                        row[f"{kernels} {name}"] = timer(call)
+                    finally:
+                        _kernels.use_device_kernels("cuda", enabled=False)
+            rows.append(row)
+    return rows
+
+
+def _masked_rank(rank: int, world_size: int, quick: bool) -> list[dict[str, Any]]:
+    torch.cuda.set_device(0)
+    group = dist.new_group([rank], backend="nccl")
+    shapes = MASKED_SHAPES[1:] if quick else MASKED_SHAPES
+    iterations = 20 if quick else 50
+
+    def timer(call: Callable[[], object]) -> dict[str, float]:
+        return _time(call, iterations)
+
+    return _masked_rows(
+        lambda channels: _layer("syncbn", channels, group), torch.device("cuda"), shapes, timer
+    )
+
+
 COMPILE_MODES = ("default", "reduce-overhead")
 
 
@@ -280,7 +342,7 @@ def _compiled_step_rank(rank: int, world_size: int, quick: bool) -> dict[str, An
     return results
 
 
-PARTS = ("layers", "step", "ranks", "compile")
+PARTS = ("layers", "step", "ranks", "compile", "masked")
 
 
 def _render(results: dict[str, Any]) -> str:
@@ -348,7 +410,29 @@ def _render(results: dict[str, Any]) -> str:
         lines.append("")
     if "compile" in results and "error" not in results["compile"]:
         lines += _render_compiled(results["compile"])
+    if "masked" in results and "error" not in results["masked"]:
+        lines += _render_masked(results["masked"])
     return "\n".join(lines) + "\n"
+
+
+def _render_masked(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"## Masked calls ({int(MASKED_VALID * 100)} % valid) against unmasked ones, "
+        "forward+backward, eager (device ms per call; target: masked <= 1.3x unmasked)",
+        "",
+        "| shape | dtype | generic unmasked | generic masked | ratio | fused unmasked "
+        "| fused masked | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = []
+        for kernels in ("syncbn", "syncbn-fused"):
+            unmasked = row[f"{kernels} unmasked"]["device_ms"]
+            masked = row[f"{kernels} masked"]["device_ms"]
+            verdict = "met" if masked <= 1.3 * unmasked else "**missed**"
+            cells += [f"{unmasked:.3f}", f"{masked:.3f}", f"{masked / unmasked:.2f}x {verdict}"]
+        lines.append(f"| {row['shape']} | {row['dtype']} | {' | '.join(cells)} |")
+    return [*lines, ""]
 
 
 def _render_compiled(entries: dict[str, Any]) -> list[str]:
@@ -383,6 +467,8 @@ def _run_part(part: str, quick: bool, timeout: float) -> Any:
         return run_on_ranks(_step_rank, 1, quick, timeout=timeout)[0]
     if part == "compile":
         return run_on_ranks(_compiled_step_rank, 1, quick, timeout=timeout)[0]
+    if part == "masked":
+        return run_on_ranks(_masked_rank, 1, quick, timeout=timeout)[0]
     return run_on_ranks(_layers_rank, 2, True, False, timeout=timeout)
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -392,3 +393,30 @@ def test_compare_times_a_revision_against_the_working_tree(tmp_path: Path) -> No
     assert len(rows) == 1
     ratio = float(rows[0].rstrip(" |").rsplit("|", 1)[-1].strip().rstrip("x"))
     assert ratio > 0
+
+
+def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
+    """benchmarks/gpu.py's masked part, run on the CPU with a wall-clock timer (the GPU
+    session runs it with CUDA events): one row per shape and dtype, four timed variants,
+    the candidate kernels switched off afterwards, and a rendered table row per row."""
+    from syncbn import _kernels
+
+    gpu = _load("gpu")
+    calls: list[int] = []
+
+    def timer(call: Any) -> dict[str, float]:
+        start = time.perf_counter()
+        call()
+        calls.append(1)
+        return {"device_ms": (time.perf_counter() - start) * 1e3 + 1e-6, "host_ms": 0.0}
+
+    shapes = [(4, 3, 5), (2, 3, 4, 4)]
+    rows = gpu._masked_rows(syncbn.SyncBatchNorm, torch.device("cpu"), shapes, timer)
+    assert [(row["shape"], row["dtype"]) for row in rows] == [
+        (shape, dtype) for shape in ("4x3x5", "2x3x4x4") for dtype in gpu.MASKED_DTYPES
+    ]
+    variants = {f"{k} {m}" for k in ("syncbn", "syncbn-fused") for m in ("unmasked", "masked")}
+    assert all(variants <= row.keys() for row in rows) and len(calls) == 4 * len(rows)
+    assert _kernels.kernels_for(torch.device("cuda")) is _kernels.generic
+    table = gpu._render_masked(rows)
+    assert sum(line.startswith("| 4x3x5 |") for line in table) == len(gpu.MASKED_DTYPES)
