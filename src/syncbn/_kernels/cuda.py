@@ -63,7 +63,8 @@ def normalize(
         return generic.normalize(input, moments, saved, mean, scale, weight, bias, eps, valid)
     offset = generic.output_offset(moments.shift, mean, scale, bias)
     zeros, _, _ = generic.constants(scale.numel(), dtype, scale.device)
-    return torch.batch_norm_elemt(centered, None, offset.to(dtype), zeros, scale.to(dtype), 0.0)
+    # saved[2]: the scale in the statistics dtype, converted once already
+    return torch.batch_norm_elemt(centered, None, offset.to(dtype), zeros, saved[2], 0.0)
 
 
 def input_grad(

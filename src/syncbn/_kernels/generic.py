@@ -230,7 +230,7 @@ def normalize(
         return output if valid is None else zero_padded(output, valid, inplace=True)
     offset = output_offset(moments.shift, mean, scale, bias)
     ndim = centered.dim()
-    scale = channel_view(scale.to(dtype), ndim)
+    scale = channel_view(saved[2], ndim)  # the scale in the statistics dtype, no conversion
     offset = channel_view(offset.to(dtype), ndim)
     if valid is None:
         return centered.mul_(scale).add_(offset)
