@@ -100,17 +100,24 @@ def update_running_stats(
             failed), a number or a 0-dim tensor.
     """
     if isinstance(count, torch.Tensor):
-        factor = count.gt(1).to(count.dtype) * factor  # float64: a bool * float is float32
+        if isinstance(factor, torch.Tensor):
+            factor = factor * count.gt(1)  # the factor's float64 times a bool
+        else:
+            factor = count.gt(1).to(count.dtype) * factor  # float64: a bool * float is float32
         correction: float | torch.Tensor = count / (count - 1).clamp(min=1)
     elif count > 1:
         correction = count / (count - 1)
     else:
         return
     if running_mean is not None:
-        running_mean.lerp_(mean.to(running_mean.dtype), _like(factor, running_mean))
+        buffer_factor = _like(factor, running_mean)
+        running_mean.lerp_(mean.to(running_mean.dtype), buffer_factor)
     if running_var is not None:
         unbiased = (var * correction).to(running_var.dtype)
-        running_var.lerp_(unbiased, _like(factor, running_var))
+        # the factor is converted once when both buffers have one dtype (a kernel on a GPU)
+        if running_mean is None or running_mean.dtype != running_var.dtype:
+            buffer_factor = _like(factor, running_var)
+        running_var.lerp_(unbiased, buffer_factor)
 
 
 def _like(factor: float | torch.Tensor, target: torch.Tensor) -> float | torch.Tensor:
