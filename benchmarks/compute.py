@@ -41,7 +41,7 @@ from torch.utils.benchmark import Timer
 
 from syncbn._autograd import LayerInfo, TrainOptions, sync_batch_norm_train
 
-__all__ = ["main"]
+__all__ = ["json_without_trimming", "main"]
 
 SHAPES = [
     (2, 64, 56, 56),
@@ -154,17 +154,23 @@ def _measure_all() -> list[dict[str, Any]]:
     ]
 
 
-def _measure_without_trimming() -> list[dict[str, Any]]:
-    """The same measurement in a child process whose glibc never trims or mmaps buffers."""
+def json_without_trimming(script: Path, *args: str) -> Any:
+    """What ``python script *args`` prints as JSON, run in a child process whose glibc never
+    trims or mmaps buffers (:data:`NO_TRIM_ENV`). Shared with masked.py."""
     child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child"],
+        [sys.executable, str(script.resolve()), *args],
         env={**os.environ, **NO_TRIM_ENV},
         capture_output=True,
         text=True,
         check=True,
         timeout=1800,
     )
-    rows: list[dict[str, Any]] = json.loads(child.stdout)
+    return json.loads(child.stdout)
+
+
+def _measure_without_trimming() -> list[dict[str, Any]]:
+    """The same measurement in a child process whose glibc never trims or mmaps buffers."""
+    rows: list[dict[str, Any]] = json_without_trimming(Path(__file__), "--child")
     return rows
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from compute import NO_TRIM_ENV, SHAPES, _median_ms, _TwoIdenticalRanks
+from compute import NO_TRIM_ENV, SHAPES, _median_ms, _TwoIdenticalRanks, json_without_trimming
 
 import syncbn
 from syncbn._autograd import LayerInfo, TrainOptions, sync_batch_norm_train
@@ -90,16 +89,8 @@ def _compiled(shape: tuple[int, ...]) -> dict[str, float]:
 
 def _eager_without_trimming(quick: bool) -> list[dict[str, float]]:
     """The eager rows again, in a child process whose glibc never trims or mmaps buffers."""
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--eager-child"]
-        + (["--quick"] if quick else []),
-        env={**os.environ, **NO_TRIM_ENV},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1800,
-    )
-    rows: list[dict[str, float]] = json.loads(child.stdout)
+    options = ["--eager-child"] + (["--quick"] if quick else [])
+    rows: list[dict[str, float]] = json_without_trimming(Path(__file__), *options)
     return rows
 
 
