@@ -429,12 +429,13 @@ def forward_train(
         tuple(input.shape),
     )
     scale = _stats.scale(var, options.eps, weight)
-    saved = torch.stack([mean, var, scale]).to(_stats.stat_dtype(input.dtype))
+    saved_input, saved_mean = input, mean
+    if valid is not None:
+        saved_input, saved_mean = backward_input(input, moments, mean, valid)
+    # row 0 is the mean of what backward takes as its input; normalize reads it only where
+    # that input has the input's values (no shifted copy to reuse: low precision, empty)
+    saved = torch.stack([saved_mean, var, scale]).to(_stats.stat_dtype(input.dtype))
     output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps, valid)
-    if valid is None:
-        return ForwardResult(output, saved, count, input)
-    saved_input, saved_mean = backward_input(input, moments, mean, valid)
-    saved = torch.stack([saved_mean, var, scale]).to(saved.dtype)
     return ForwardResult(output, saved, count, saved_input, valid)
 
 

@@ -209,7 +209,9 @@ def normalize(
     padded positions and finite, is what a masked backward takes as its input.
 
     Args:
-        saved: ``(3, C)`` mean, variance and scale in the statistics dtype.
+        saved: ``(3, C)`` mean, variance and scale in the statistics dtype. Its mean row
+            is read only by the ``batch_norm`` path (where it is the input's mean; a
+            masked call that reuses the shifted copy saves ``mean - shift`` there).
         mean, scale: the same mean and scale in float64.
     """
     dtype = saved.dtype
