@@ -91,7 +91,7 @@ def input_grad(
     if isinstance(count, torch.Tensor):
         counts = count.to(torch.int32).view(1)
     else:
-        counts = torch.tensor([count], dtype=torch.int32, device=input.device)
+        counts = torch.full((1,), count, dtype=torch.int32, device=input.device)  # no host copy
     # the kernel wants both gradients in the input's memory format
     grad_output = grad_output.contiguous(memory_format=memory_format)
     return torch.batch_norm_backward_elemt(
