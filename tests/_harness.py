@@ -41,6 +41,9 @@ class ScenarioError(RuntimeError):
 def _worker_main(
     rank: int, world_size: int, init_file: str, inbox: Any, outbox: Any, pg_timeout: float
 ) -> None:
+    # a daemonic worker cannot start inductor's pool of compile processes (torch 2.3 starts
+    # it when inductor is imported, torch.compile with any backend imports it)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     init_rank(rank, world_size, init_file, timeout=pg_timeout)
     outbox.put((rank, "ready", None))
     while True:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _harness import WorkerPool, outcome
 
 import syncbn
-from syncbn import distributed
+from syncbn import _autograd, distributed
 from syncbn._autograd import LayerInfo, ProcessGroupReducer, TrainOptions, sync_batch_norm_train
 
 
@@ -101,6 +101,27 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pool: WorkerPool, bad: str) 
         assert kind == "RuntimeError"
         assert "other rank(s) failed in their SyncBatchNorm call in forward" in message
         assert "num_features=3" in message
+
+
+def _float16_without_cpu_kernels(rank: int, world_size: int) -> tuple[str, str]:
+    """As on torch < 2.2, whose CPU batch_norm has no float16 kernel; a rank's batch is empty."""
+    bn = syncbn.SyncBatchNorm(3)
+    x = torch.randn(0 if rank == 0 else 4, 3, 2).half()
+    saved, _autograd._CPU_FLOAT16 = _autograd._CPU_FLOAT16, False
+    try:
+        result = outcome(bn, x)
+    finally:
+        _autograd._CPU_FLOAT16 = saved
+    assert outcome(bn, torch.randn(2, 3, 2)) == ("ok", "")  # the group is still usable
+    return result
+
+
+def test_float16_on_the_cpu_before_torch_2_2_raises_on_every_rank(pool: WorkerPool) -> None:
+    """Before the collective, on every rank (the empty one too): after it, the ranks with
+    data failed in batch_norm while an empty rank went on and waited in backward."""
+    for kind, message in pool.run(_float16_without_cpu_kernels):
+        assert kind == "RuntimeError"
+        assert "float16 input on the CPU needs torch >= 2.2" in message
 
 
 def _gradcheck_alone(rank: int, world_size: int) -> bool:

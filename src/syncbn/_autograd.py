@@ -54,6 +54,12 @@ _SAME_CALLS_RULE = (
 )
 
 
+#: torch >= 2.2 has float16 batch-norm kernels on the CPU (pytorch/pytorch#102070); before
+#: it torch.nn.BatchNorm raises for float16 CPU input, and so does a synchronized call, on
+#: every rank before the collective
+_CPU_FLOAT16 = torch.torch_version.TorchVersion(torch.__version__) >= "2.2"
+
+
 def is_recomputing() -> bool:
     """True when a forward runs inside a backward pass, as activation checkpointing recomputes it.
 
@@ -82,6 +88,11 @@ def input_problem(
     if not input.is_floating_point():
         return TypeError(
             f"{layer_kind} expects a floating point input, got input of dtype {input.dtype}"
+        )
+    if input.dtype == torch.float16 and input.device.type == "cpu" and not _CPU_FLOAT16:
+        return RuntimeError(
+            f"{layer_kind}: float16 input on the CPU needs torch >= 2.2 (torch "
+            f"{torch.__version__} has no CPU float16 batch_norm kernel); use bfloat16 or float32"
         )
     if param_device is not None and input.device != param_device:
         return RuntimeError(
@@ -271,7 +282,10 @@ class ForwardResult(NamedTuple):
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     """The first of a layer's per-channel tensors that is not ``None``, if any."""
-    return next((tensor for tensor in tensors if tensor is not None), None)
+    for tensor in tensors:  # a loop: dynamo < 2.4 cannot trace next() with a default
+        if tensor is not None:
+            return tensor
+    return None
 
 
 class GlobalMoments(NamedTuple):

@@ -24,6 +24,10 @@ registry of weak references (a graph can hold no Python object); at run time the
 supplies its process group, identity, call count and settings, so that changing them needs
 no recompilation. The functional form has no layer (key 0): its ops name the process group
 by its ``group_name`` and take the momentum.
+
+torch < 2.4 has no ``torch.library.custom_op`` (:data:`FULLGRAPH` is false): there a
+synchronized call runs eagerly across a graph break (:func:`outside_graph`), as torch's
+own SyncBatchNorm does under ``torch.compile``, and ``fullgraph=True`` is refused by dynamo.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.fx
@@ -53,9 +57,11 @@ from syncbn._autograd import (
 from syncbn._composite import mask_problem
 
 __all__ = [
+    "FULLGRAPH",
     "SyncSite",
     "is_compiling",
     "leaf_call_when_fx_traced",
+    "outside_graph",
     "register_site",
     "sync_batch_norm_train",
 ]
@@ -95,10 +101,30 @@ def _site(key: int) -> SyncSite:
     return site  # type: ignore[no-any-return]
 
 
+#: whether dynamo can trace a synchronized call into its graph: it needs the custom ops of
+#: ``torch.library.custom_op`` (torch >= 2.4)
+FULLGRAPH = hasattr(torch.library, "custom_op")
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
 def is_compiling() -> bool:
     """True while dynamo traces (the check itself is traceable)."""
-    check = getattr(torch.compiler, "is_compiling", None)
-    return bool(check()) if check is not None else False
+    # torch.compiler.is_compiling is torch >= 2.3's name for torch._utils.is_compiling
+    check = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
+    return bool(check())
+
+
+def outside_graph(function: _Function) -> _Function:
+    """``function``, which a compiled caller calls eagerly across a graph break.
+
+    For torch < 2.4 (no :data:`FULLGRAPH`). ``torch._disable_dynamo`` is the lazy form of
+    ``torch.compiler.disable``: it imports dynamo at its first call, not when syncbn is
+    imported. Traced into instead, the autograd Function's non-tensor arguments make
+    dynamo log errors at every call before it falls back to eager.
+    """
+    disable = getattr(torch, "_disable_dynamo", None)
+    return function if disable is None else disable(function)  # type: ignore[no-any-return]
 
 
 def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any, **kwargs: Any) -> Any:
@@ -259,7 +285,7 @@ def _fail_forward_fake(
 @functools.cache
 def _define_ops() -> None:
     """Register the custom ops (once; torch < 2.4 has no custom ops and no fullgraph)."""
-    if not hasattr(torch.library, "custom_op"):
+    if not FULLGRAPH:
         return
     forward_op = torch.library.custom_op(
         "syncbn::sync_moments",

@@ -166,29 +166,26 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         num_batches_tracked = self.num_batches_tracked if tracking else None
-        if _compiled.is_compiling():
-            return _compiled.sync_batch_norm_train(
-                input,
-                self.weight,
-                self.bias,
-                mask,
-                running_mean,
-                running_var,
-                num_batches_tracked,
-                num_features=self.num_features,
-                eps=self.eps,
-                momentum=self.momentum,
-                site_key=self._site_key,
+        if not _compiled.is_compiling():
+            return _synchronized_train(
+                self, input, mask, running_mean, running_var, num_batches_tracked
             )
-        return sync_batch_norm_train(
+        if not _compiled.FULLGRAPH:  # torch < 2.4: eager, across a graph break
+            return _synchronized_train_outside_graph(
+                self, input, mask, running_mean, running_var, num_batches_tracked
+            )
+        return _compiled.sync_batch_norm_train(
             input,
             self.weight,
             self.bias,
-            self.next_train_options(),
-            running_mean=running_mean,
-            running_var=running_var,
-            num_batches_tracked=num_batches_tracked,
-            mask=mask,
+            mask,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            num_features=self.num_features,
+            eps=self.eps,
+            momentum=self.momentum,
+            site_key=self._site_key,
         )
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -256,3 +253,28 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         :class:`SyncBatchNorm` layers whichever subclass it is called on.
         """
         return _conversion.convert_modules(module, SyncBatchNorm, process_group, True)
+
+
+def _synchronized_train(
+    layer: SyncBatchNorm,
+    input: torch.Tensor,
+    mask: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+) -> torch.Tensor:
+    """A synchronized (or masked) training call of ``layer`` in eager mode."""
+    return sync_batch_norm_train(
+        input,
+        layer.weight,
+        layer.bias,
+        layer.next_train_options(),
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        mask=mask,
+    )
+
+
+#: the eager call that compiled code makes across a graph break on torch < 2.4
+_synchronized_train_outside_graph = _compiled.outside_graph(_synchronized_train)

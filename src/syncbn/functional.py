@@ -106,7 +106,7 @@ def sync_batch_norm(
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     num_features = input.shape[1] if per_channel is None else per_channel.numel()
-    if _compiled.is_compiling():
+    if _compiled.is_compiling() and _compiled.FULLGRAPH:
         return _compiled.sync_batch_norm_train(
             input,
             weight,
@@ -121,6 +121,34 @@ def sync_batch_norm(
             site_key=0,
             group_name="" if process_group is None else process_group.group_name,
         )
+    train = _train_outside_graph if _compiled.is_compiling() else _train  # torch < 2.4
+    return train(
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        mask,
+        process_group,
+        num_features,
+        eps,
+        momentum,
+    )
+
+
+def _train(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    process_group: dist.ProcessGroup | None,
+    num_features: int,
+    eps: float,
+    momentum: float | None,
+) -> torch.Tensor:
+    """A synchronized (or masked) functional training call in eager mode."""
     options = TrainOptions(reducer_for(process_group), LayerInfo("", num_features), eps, momentum)
     return sync_batch_norm_train(
         input,
@@ -131,3 +159,7 @@ def sync_batch_norm(
         running_var=running_var,
         mask=mask,
     )
+
+
+#: the eager call that compiled code makes across a graph break on torch < 2.4
+_train_outside_graph = _compiled.outside_graph(_train)
