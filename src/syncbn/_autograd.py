@@ -485,8 +485,8 @@ def backward_train(
     every rank. An exception before it joins it with the error flag, as in forward.
     A masked call (``valid``) zeroes the output gradient at padded positions first
     (whatever it holds there, it then adds nothing to the sums; ``input`` is the forward's
-    :attr:`ForwardResult.backward_input`, already zero there), and the input gradient
-    there last.
+    :attr:`ForwardResult.backward_input`, already zero there); the kernels' input gradient
+    is zero there too, and may be computed in that zeroed copy.
 
     Args:
         saved: :attr:`ForwardResult.saved`: its mean is that of ``input``.
@@ -503,9 +503,9 @@ def backward_train(
     grad_input = None
     if need_input:
         totals = synchronize_grads(buffer, options, saved.device)
-        grad_input = kernels.input_grad(grad_output, input, saved, options.eps, totals, count)
-        if valid is not None:
-            grad_input = kernels.zero_padded(grad_input, valid, inplace=True)
+        grad_input = kernels.input_grad(
+            grad_output, input, saved, options.eps, totals, count, valid
+        )
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
 
 

@@ -69,6 +69,7 @@ class Kernels(Protocol):
         eps: float,
         totals: torch.Tensor,
         count: int | torch.Tensor,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

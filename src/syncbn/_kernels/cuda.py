@@ -74,9 +74,11 @@ def input_grad(
     eps: float,
     totals: torch.Tensor,
     count: int | torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The input gradient, as :func:`syncbn._kernels.generic.input_grad` computes it, in
-    one fused pass of ``torch.batch_norm_backward_elemt`` (float32 and float64 input).
+    one fused pass of ``torch.batch_norm_backward_elemt`` (float32 and float64 input;
+    a masked call's result is zeroed at padded positions after it).
 
     The kernel takes ``sum(dy * (x - mean))`` rather than ``sum(dy * xhat)``, the weight
     rather than the scale, and the global count as an int32 tensor (on the device, so a
@@ -84,7 +86,7 @@ def input_grad(
     """
     memory_format = _dense_format(input)
     if grad_output.dtype != saved.dtype or input.numel() == 0 or memory_format is None:
-        return generic.input_grad(grad_output, input, saved, eps, totals, count)
+        return generic.input_grad(grad_output, input, saved, eps, totals, count, valid)
     mean, var, scale = saved.unbind()
     inverse_std = (var + eps).rsqrt()
     sum_dy, sum_dy_xhat = totals.to(saved.dtype).unbind()
@@ -94,7 +96,7 @@ def input_grad(
         counts = torch.full((1,), count, dtype=torch.int32, device=input.device)  # no host copy
     # the kernel wants both gradients in the input's memory format
     grad_output = grad_output.contiguous(memory_format=memory_format)
-    return torch.batch_norm_backward_elemt(
+    grad_input = torch.batch_norm_backward_elemt(
         grad_output,
         input,
         mean,
@@ -104,3 +106,4 @@ def input_grad(
         sum_dy_xhat / inverse_std,
         counts,
     )
+    return grad_input if valid is None else zero_padded(grad_input, valid, inplace=True)
