@@ -30,7 +30,8 @@ _PRELUDE = """
 import importlib.metadata, os, sys
 import syncbn
 assert os.path.dirname(os.path.dirname(syncbn.__file__)) == {source!r}, syncbn.__file__
-assert list(importlib.metadata.entry_points(group="syncbn.converters")) == [], "entry points"
+from syncbn._conversion import _entry_points
+assert _entry_points() == [], "entry points"
 try:
     importlib.metadata.distribution("syncbn")
 except importlib.metadata.PackageNotFoundError:

@@ -38,7 +38,14 @@ def _fake_bench(run_result: int | Exception) -> types.ModuleType:
 
 
 def test_console_script_points_to_main() -> None:
-    scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
+    found = entry_points()
+    # Python 3.9 returns a dict of groups; 3.10+ selects by keyword
+    group = (
+        found.select(group="console_scripts")
+        if hasattr(found, "select")
+        else found["console_scripts"]
+    )
+    scripts = {entry.name: entry.value for entry in group}
     assert scripts.get("syncbn") == "syncbn._cli:main"
 
 

@@ -342,11 +342,12 @@ def test_entry_points_offer_converters_for_their_package(monkeypatch: pytest.Mon
     ]
     scans = []
 
-    def entry_points(group: str) -> list[metadata.EntryPoint]:
-        scans.append(group)
+    def entry_points() -> list[metadata.EntryPoint]:
+        scans.append(_conversion.ENTRY_POINT_GROUP)
         return offered
 
-    monkeypatch.setattr(_conversion.metadata, "entry_points", entry_points)
+    # syncbn's reader of its group (metadata.entry_points' signature differs on Python 3.9)
+    monkeypatch.setattr(_conversion, "_entry_points", entry_points)
     _register_act_converter.calls = 0  # type: ignore[attr-defined]
     syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2)))
     assert scans == []  # plain layers need no converter: nothing is looked up
@@ -382,7 +383,7 @@ def test_built_in_converters_load_without_metadata_and_once(
         if installed
         else []
     )
-    monkeypatch.setattr(_conversion.metadata, "entry_points", lambda group: offered)
+    monkeypatch.setattr(_conversion, "_entry_points", lambda: offered)
     _register_act_converter.calls = 0  # type: ignore[attr-defined]
     _register_other_converter.calls = 0  # type: ignore[attr-defined]
     model = nn.Sequential(BatchNormAct2d(2), nn.Sequential(BatchNormAct2d(2)))
