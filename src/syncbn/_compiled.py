@@ -84,11 +84,7 @@ _keys = itertools.count(1)
 
 
 def register_site(site: SyncSite) -> int:
-    """Register ``site`` for the compiled ops; returns its key (alive as long as the site).
-
-    Also defines the ops, once per process, so that tracing finds them defined.
-    """
-    _define_ops()
+    """Register ``site`` for the compiled ops; returns its key (alive as long as the site)."""
     key = next(_keys)
     _sites[key] = site
     return key
@@ -401,3 +397,9 @@ def sync_batch_norm_train(
         running_var=running_var,
         num_batches_tracked=num_batches_tracked,
     )
+
+
+# defined when syncbn is imported (~5 ms), as torch libraries define their custom ops: dynamo
+# must find them defined when it first traces a call, which for the functional form can be
+# the first call in a process that built no SyncBatchNorm layer
+_define_ops()
