@@ -155,7 +155,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         traced = _compiled.leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
-        if not _compiled.is_compiling():  # a side effect dynamo refuses inside checkpointing
+        compiling = _compiled.is_compiling()
+        if not compiling:  # a side effect dynamo refuses inside checkpointing
             self.last_input_dim = input.dim()
         if not self.training:
             return self._eval_forward(input, mask)
@@ -166,7 +167,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         num_batches_tracked = self.num_batches_tracked if tracking else None
-        if not _compiled.is_compiling():
+        if not compiling:
             return _synchronized_train(
                 self, input, mask, running_mean, running_var, num_batches_tracked
             )

@@ -106,7 +106,8 @@ def sync_batch_norm(
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     num_features = input.shape[1] if per_channel is None else per_channel.numel()
-    if _compiled.is_compiling() and _compiled.FULLGRAPH:
+    compiling = _compiled.is_compiling()
+    if compiling and _compiled.FULLGRAPH:
         return _compiled.sync_batch_norm_train(
             input,
             weight,
@@ -121,7 +122,7 @@ def sync_batch_norm(
             site_key=0,
             group_name="" if process_group is None else process_group.group_name,
         )
-    train = _train_outside_graph if _compiled.is_compiling() else _train  # torch < 2.4
+    train = _train_outside_graph if compiling else _train  # compiling: torch < 2.4
     return train(
         input,
         weight,
