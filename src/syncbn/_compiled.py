@@ -25,6 +25,13 @@ supplies its process group, identity, call count and settings, so that changing 
 no recompilation. The functional form has no layer (key 0): its ops name the process group
 by its ``group_name`` and take the momentum.
 
+Ranks must run their collectives in the same order, and a compiled graph may run ops in
+any order that its data dependencies allow: on a rank whose local batch is empty there
+are none between two layers' ops. So the ops are chained: each forward op reads the
+device's order token (:func:`order_token`) and returns its next value, written back in
+place; each backward op reads the gradient written by the backward op traced before it
+(:func:`_previous_backward_output`).
+
 torch < 2.4 has no ``torch.library.custom_op`` (:data:`FULLGRAPH` is false): there a
 synchronized call runs eagerly across a graph break (:func:`outside_graph`), as torch's
 own SyncBatchNorm does under ``torch.compile``, and ``fullgraph=True`` is refused by dynamo.
@@ -33,12 +40,15 @@ own SyncBatchNorm does under ``torch.compile``, and ``fullgraph=True`` is refuse
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.fx
+from torch.fx.experimental import proxy_tensor
 
 from syncbn import _composite, _protocol, distributed
 from syncbn._autograd import (
@@ -96,6 +106,23 @@ def _site(key: int) -> SyncSite:
         raise RuntimeError(f"syncbn: the SyncBatchNorm layer of compiled call {key} was deleted")
     return site  # type: ignore[no-any-return]
 
+
+def _revision() -> str:
+    """A digest of this module's source, for :data:`REVISION`."""
+    try:
+        source = Path(__file__).read_bytes()
+    except OSError:  # pragma: no cover - not installed as files (a zip archive)
+        return "unknown"
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+#: the revision of the ops' code, an argument of every ``syncbn::sync_moments`` call, so
+#: that compiled graphs cached by torch (inductor's and AOTAutograd's caches on disk) are
+#: found again only for the same code: their keys hash the traced graph, in which the
+#: backward formula (:func:`_autograd_backward`) and the backward op's schema do not
+#: appear; a cached graph of other code then called the op with other arguments
+#: (``Expected a value of type 'Tensor' for argument 'out' but instead found type 'int'``)
+REVISION = _revision()
 
 #: whether dynamo can trace a synchronized call into its graph: it needs the custom ops of
 #: ``torch.library.custom_op`` (torch >= 2.4)
@@ -178,11 +205,13 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
 
 def _sync_moments(
     moments: torch.Tensor,
+    order: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
     momentum: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    revision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_features = (moments.numel() - 1) // 2
     options = _options(site_key, group_name, num_features, momentum, backward=False)
     device = moments.device
@@ -197,22 +226,29 @@ def _sync_moments(
         buffer = _protocol.pack_forward_moments(moments, options.layer.fingerprint)
     reduced = reduce_forward(buffer, mode, num_batches_tracked, options)
     # outputs may not alias the inputs: the buffer is the collective's own
-    return _protocol.forward_moments(reduced.buffer).clone(), _update(reduced, moments)
+    global_moments = _protocol.forward_moments(reduced.buffer).clone()
+    return global_moments, _update(reduced, moments), order.clone()
 
 
 def _sync_moments_fake(
     moments: torch.Tensor,
+    order: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
     group_name: str,
     momentum: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(moments), moments.new_empty(2)
+    revision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(moments), moments.new_empty(2), torch.empty_like(order)
 
 
 def _sync_moments_backward(
-    grad_moments: torch.Tensor, site_key: int, group_name: str
-) -> torch.Tensor:
+    grad_moments: torch.Tensor,
+    after: torch.Tensor,
+    out: torch.Tensor,
+    site_key: int,
+    group_name: str,
+) -> None:
     num_features = (grad_moments.numel() - 1) // 2
     options = _options(site_key, group_name, num_features, None, backward=True)
     device = grad_moments.device
@@ -221,35 +257,42 @@ def _sync_moments_backward(
         buffer = _protocol.pack_backward(grad_total, grad_square_total, options.layer.fingerprint)
     totals = synchronize_grads(buffer, options, device)
     # the count is no function of the input: no gradient
-    return torch.cat([grad_moments.new_zeros(1), totals.reshape(-1)])
+    torch.cat([grad_moments.new_zeros(1), totals.reshape(-1)], out=out)
 
 
 def _sync_moments_backward_fake(
-    grad_moments: torch.Tensor, site_key: int, group_name: str
-) -> torch.Tensor:
-    return torch.empty_like(grad_moments)
+    grad_moments: torch.Tensor,
+    after: torch.Tensor,
+    out: torch.Tensor,
+    site_key: int,
+    group_name: str,
+) -> None:
+    return None
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, site_key, group_name, _ = inputs
-    ctx.mark_non_differentiable(output[1])
+    _, _, _, site_key, group_name, _, _ = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
     ctx.site_key = site_key
     ctx.group_name = group_name
 
 
 def _autograd_backward(
-    ctx: Any, grad_moments: torch.Tensor | None, _grad_update: Any
+    ctx: Any, grad_moments: torch.Tensor, _grad_update: Any, _grad_order: Any
 ) -> tuple[torch.Tensor | None, ...]:
     # every rank's moments feed every rank's global moments: the gradient of this
     # rank's moments is the sum over the ranks of the global moments' gradients
-    grad = torch.ops.syncbn.sync_moments_backward(grad_moments, ctx.site_key, ctx.group_name)
-    return grad, None, None, None, None
+    grad = torch.empty_like(grad_moments)
+    after = _previous_backward_output(grad, first=grad_moments)
+    torch.ops.syncbn.sync_moments_backward(grad_moments, after, grad, ctx.site_key, ctx.group_name)
+    return grad, None, None, None, None, None, None
 
 
 def _fail_forward(
     input: torch.Tensor,
     anchor: torch.Tensor,
     mask: torch.Tensor | None,
+    order: torch.Tensor,
     site_key: int,
     group_name: str,
     num_features: int,
@@ -271,6 +314,7 @@ def _fail_forward_fake(
     input: torch.Tensor,
     anchor: torch.Tensor,
     mask: torch.Tensor | None,
+    order: torch.Tensor,
     site_key: int,
     group_name: str,
     num_features: int,
@@ -287,15 +331,16 @@ def _define_ops() -> None:
         "syncbn::sync_moments",
         _sync_moments,
         mutates_args=(),
-        schema="(Tensor moments, Tensor? num_batches_tracked, int site_key, str group_name, "
-        "float? momentum) -> (Tensor, Tensor)",
+        schema="(Tensor moments, Tensor order, Tensor? num_batches_tracked, int site_key, "
+        "str group_name, float? momentum, str revision) -> (Tensor, Tensor, Tensor)",
     )
     forward_op.register_fake(_sync_moments_fake)
     backward_op = torch.library.custom_op(
         "syncbn::sync_moments_backward",
         _sync_moments_backward,
-        mutates_args=(),
-        schema="(Tensor grad_moments, int site_key, str group_name) -> Tensor",
+        mutates_args=("out",),
+        schema="(Tensor grad_moments, Tensor after, Tensor(a!) out, int site_key, "
+        "str group_name) -> ()",
     )
     backward_op.register_fake(_sync_moments_backward_fake)
     forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -303,8 +348,8 @@ def _define_ops() -> None:
         "syncbn::fail_forward",
         _fail_forward,
         mutates_args=(),
-        schema="(Tensor input, Tensor anchor, Tensor? mask, int site_key, str group_name, "
-        "int num_features) -> Tensor",
+        schema="(Tensor input, Tensor anchor, Tensor? mask, Tensor order, int site_key, "
+        "str group_name, int num_features) -> Tensor",
     )
     fail_op.register_fake(_fail_forward_fake)
     for name in ("sync_moments", "sync_moments_backward", "fail_forward"):
@@ -324,6 +369,74 @@ def _keep_in_graph(op: torch._ops.OpOverload) -> None:
         keep(op)
 
 
+#: per device, the tensor that orders the synchronizing ops of compiled forward graphs
+_order_tokens: dict[str, torch.Tensor] = {}
+
+
+def order_token(device: torch.device) -> torch.Tensor:
+    """The tensor that chains the synchronizing ops of compiled forward graphs on
+    ``device`` in the order of the calls.
+
+    Ranks must run their collectives in the same order. A compiled graph runs its ops in
+    any order that respects their data dependencies, and on a rank whose local batch is
+    empty two layers' ops have none (the size-0 graph's moments are constants): inductor
+    did run the second layer's collective first there. So each op reads the token and
+    returns a new value for it, written back in place (:func:`_advance`): the next op
+    reads what the previous one wrote. The token is a global tensor, which dynamo passes
+    to the graphs as an input whose identity never changes (no recompilation); a layer
+    creates the token of its device when it is built or moved
+    (:func:`prepare_order_token`), so that the first graph already finds it.
+    """
+    token = _order_tokens.get(str(device))
+    if token is None:  # traced: a device that no layer was built on or moved to
+        token = torch.zeros(1, device=device)
+        _order_tokens[str(device)] = token
+    return token
+
+
+def prepare_order_token(device: torch.device) -> None:
+    """Create the order token of ``device`` eagerly, before a graph reads it."""
+    if str(device) not in _order_tokens:
+        token = torch.zeros(1, device=device)
+        # what torch._dynamo.mark_static_address sets (without importing dynamo): its
+        # address never changes, so CUDA graphs use it in place
+        token._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
+        _order_tokens[str(device)] = token
+
+
+def _advance(token: torch.Tensor, advanced: torch.Tensor) -> None:
+    """Write an op's ``advanced`` token into ``token``: every later reader of ``token``
+    depends on that op."""
+    with torch.no_grad():
+        token.copy_(advanced)
+
+
+#: per graph being traced (its tracer's dispatch mode), the output of its latest backward op
+_backward_outputs: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _previous_backward_output(output: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """What the backward op about to write ``output`` reads so that it runs after the
+    backward op traced before it in the same graph: that op's output (the autograd
+    engine traces them in the order of eager mode, the same on every rank); ``first``
+    for the first one.
+
+    A backward formula runs as real Python while AOTAutograd traces the joint graph, so
+    the chain is kept per trace (keyed by its proxy mode) rather than in a global tensor,
+    which the backward graph could not write since its forward graph writes it. The op
+    writes its gradient into ``output`` (a mutation) rather than returning it: inductor
+    keeps it even when nothing reads the gradient (an empty local batch), also on torch
+    2.8, which drops unused ops that mutate nothing. Outside of tracing (dynamo's
+    ``"eager"`` backend runs the op itself) the autograd engine orders the calls.
+    """
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return first
+    previous = _backward_outputs.get(mode, first)
+    _backward_outputs[mode] = output
+    return previous
+
+
 def _exchange(
     num_batches_tracked: torch.Tensor | None,
     site_key: int,
@@ -334,9 +447,11 @@ def _exchange(
     the ``syncbn::sync_moments`` op."""
 
     def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        global_moments, update = torch.ops.syncbn.sync_moments(
-            moments, num_batches_tracked, site_key, group_name, momentum
+        order = order_token(moments.device)
+        global_moments, update, advanced = torch.ops.syncbn.sync_moments(
+            moments, order, num_batches_tracked, site_key, group_name, momentum, REVISION
         )
+        _advance(order, advanced)
         return global_moments, update
 
     return exchange
@@ -381,6 +496,7 @@ def sync_batch_norm_train(
             input.detach(),
             anchor.detach(),
             None if mask is None else mask.detach(),
+            order_token(anchor.device),
             site_key,
             group_name,
             num_features,

@@ -88,6 +88,10 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         **kwargs,
     )
     share_state(source, twin)
+    # a SyncBatchNorm built on the meta device now holds tensors on another device
+    prepare = getattr(twin, "_prepare_order_token", None)
+    if prepare is not None:
+        prepare()
     return twin
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn import _compiled, _composite, _conversion, distributed
-from syncbn._autograd import input_problem, is_recomputing, sync_batch_norm_train
+from syncbn._autograd import first_given, input_problem, is_recomputing, sync_batch_norm_train
 from syncbn._layer_identity import LayerIdentity
 
 __all__ = ["SyncBatchNorm"]
@@ -123,6 +123,20 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
         self._sync_alone = False
         self._site_key = _compiled.register_site(self)
+        self._prepare_order_token()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> SyncBatchNorm:
+        # .to(), .cuda(), .to_empty(): the layer's new device needs its order token
+        moved = super()._apply(*args, **kwargs)
+        self._prepare_order_token()
+        return moved
+
+    def _prepare_order_token(self) -> None:
+        """Create the order token of the layer's device before dynamo first traces a call
+        (:func:`syncbn._compiled.order_token`; a graph that created it would recompile)."""
+        per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
+        if per_channel is not None and per_channel.device.type != "meta" and _compiled.FULLGRAPH:
+            _compiled.prepare_order_token(per_channel.device)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         """The default deep copy, except that the copy shares the process group.
@@ -145,6 +159,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         state.setdefault("_original_class", None)
         super().__setstate__(state)
         self._site_key = _compiled.register_site(self)
+        self._prepare_order_token()
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         problem = input_problem(input, self.num_features)
