@@ -372,17 +372,23 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
     """Rank 0's third local batch is empty (a graph of its own: dynamo specializes size 0).
 
-    Without the order tokens of ``syncbn._compiled``, nothing in that graph orders one
+    Without the chain of ``syncbn._compiled``'s ops (the forward order token, each
+    backward op reading the previous one's output), nothing in that graph orders one
     layer's collective op after another's, and inductor ran them out of order there: in
     the forward of the convolutional model (2 layers), in the backward of the linear one
-    (4 layers; checked with the tokens taken out).
+    (4 layers). Both were checked with the chain taken out.
     """
     _inductor_once()
     torch._dynamo.reset()
     torch.manual_seed(0)
     if kind == "conv":
-        layers = [nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)]
-        layers.append(nn.BatchNorm2d(4))
+        layers = [
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 4, 3),
+            nn.BatchNorm2d(4),
+        ]
         shape: tuple[int, ...] = (3, 9, 9)
     else:
         widths = [3, 8, 4, 6, 5]
