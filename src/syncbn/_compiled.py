@@ -388,7 +388,7 @@ def order_token(device: torch.device) -> torch.Tensor:
     (:func:`prepare_order_token`), so that the first graph already finds it.
     """
     token = _order_tokens.get(str(device))
-    if token is None:  # traced: a device that no layer was built on or moved to
+    if token is None:  # eagerly from prepare_order_token, or traced for a new device
         token = torch.zeros(1, device=device)
         _order_tokens[str(device)] = token
     return token
@@ -396,12 +396,9 @@ def order_token(device: torch.device) -> torch.Tensor:
 
 def prepare_order_token(device: torch.device) -> None:
     """Create the order token of ``device`` eagerly, before a graph reads it."""
-    if str(device) not in _order_tokens:
-        token = torch.zeros(1, device=device)
-        # what torch._dynamo.mark_static_address sets (without importing dynamo): its
-        # address never changes, so CUDA graphs use it in place
-        token._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
-        _order_tokens[str(device)] = token
+    # what torch._dynamo.mark_static_address sets (without importing dynamo): the token's
+    # address never changes, so CUDA graphs use it in place
+    order_token(device)._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
 
 
 def _advance(token: torch.Tensor, advanced: torch.Tensor) -> None:
