@@ -58,6 +58,7 @@ __all__ = [
     "forward_sums",
     "header_values",
     "pack_backward",
+    "pack_backward_sums",
     "pack_forward",
     "pack_forward_moments",
     "raise_deferred",
@@ -163,6 +164,13 @@ def pack_backward(
     """
     head, trailer = _buffer_ends(fingerprint, None, error, sum_dy.device)
     return torch.cat([head, sum_dy, sum_dy_xhat, trailer])
+
+
+def pack_backward_sums(sums: torch.Tensor, fingerprint: int) -> torch.Tensor:
+    """Pack ``(2 * C,)`` float64 ``[sum(dy) (C), sum(dy * xhat) (C)]`` into a backward buffer:
+    the layout of :func:`pack_backward`, whose middle they are."""
+    head, trailer = _buffer_ends(fingerprint, None, False, sums.device)
+    return torch.cat([head, sums, trailer])
 
 
 def count_slot(buffer: torch.Tensor) -> torch.Tensor:
