@@ -213,7 +213,10 @@ def _package_imports() -> dict[str, set[str]]:
                 # "from syncbn import _stats" imports the submodule, not the package's code
                 imported.update(submodules & modules or {node.module})
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                imported.add(node.value)  # importlib.import_module("syncbn._cli.demo")
+                # importlib.import_module("syncbn._cli.demo"); a bare "syncbn" is the op
+                # library's namespace (torch.library.Library("syncbn", ...)), not an import
+                if "." in node.value:
+                    imported.add(node.value)
         graph[name] = (imported & modules) - {name}
     return graph
 

@@ -14,6 +14,7 @@ and the running statistics are updated with device-side factors.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -318,6 +319,20 @@ class ReducedForward(NamedTuple):
     factor: float | torch.Tensor
     #: deferred checks: a 0-dim bool tensor, true where they pass; ``None`` when immediate
     ok: torch.Tensor | None
+    #: deferred checks: ``[factor, ok]`` in float64 on the device (:attr:`factor` is a view
+    #: of its first value); ``None`` when immediate
+    update: torch.Tensor | None = None
+
+
+@functools.lru_cache(maxsize=256)
+def counted_update(factor: float, device: torch.device) -> torch.Tensor:
+    """``[factor, 1]`` in float64 on ``device``, built once per factor (a momentum repeats
+    from call to call): the running statistics' factor and the batch count's increment.
+
+    Filled on the device (no copy from the host, which a GPU's sync check would flag)."""
+    update = torch.ones(2, dtype=torch.float64, device=device)
+    update[:1].fill_(factor)
+    return update
 
 
 def reduce_forward(
@@ -337,23 +352,23 @@ def reduce_forward(
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     check = options.header_check("forward", input_size)
-    ok: torch.Tensor | None = None
-    count: int | torch.Tensor
     factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
     if mode == "immediate":
-        count = _protocol.check_now(buffer, check).global_count
+        global_count = _protocol.check_now(buffer, check).global_count
         if options.momentum is None and num_batches_tracked is not None:
             factor = 1.0 / (float(num_batches_tracked) + 1.0)
-    else:
-        header = _protocol.header_values(buffer)
-        _protocol.defer_check(buffer, check, header)
-        count = _protocol.count_slot(buffer)
-        if options.momentum is None and num_batches_tracked is not None:
-            factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
-        # a call whose checks fail moves no running statistics
-        ok = _protocol.device_ok(header, options.reducer.world_size, options.layer.fingerprint)
-        factor = ok.to(torch.float64) * factor
-    return ReducedForward(buffer, count, factor, ok)
+        return ReducedForward(buffer, global_count, factor, None)
+    header = _protocol.header_values(buffer)
+    _protocol.defer_check(buffer, check, header)
+    count = _protocol.count_slot(buffer)
+    # a call whose checks fail moves no running statistics and counts no batch
+    ok = _protocol.device_ok(header, options.reducer.world_size, options.layer.fingerprint)
+    if options.momentum is None and num_batches_tracked is not None:
+        factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
+        update = torch.stack([factor, torch.ones_like(factor)]).mul_(ok)
+    else:  # one kernel: bool times float64 is float64
+        update = torch.mul(ok, counted_update(float(factor), buffer.device))
+    return ReducedForward(buffer, count, update[0], ok, update)
 
 
 def synchronize_moments(

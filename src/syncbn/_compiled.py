@@ -56,6 +56,7 @@ from syncbn._autograd import (
     LayerInfo,
     ReducedForward,
     TrainOptions,
+    counted_update,
     first_given,
     input_problem,
     is_recomputing,
@@ -185,12 +186,6 @@ def _options(
     return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
 
 
-@functools.lru_cache(maxsize=256)
-def _counted_update(factor: float, device: torch.device) -> torch.Tensor:
-    """``[factor, 1]``, built once per factor (a momentum repeats from call to call)."""
-    return torch.tensor([factor, 1.0], dtype=torch.float64, device=device)
-
-
 def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     """``[factor, increment]`` of the running statistics' update, float64 on ``like``'s device.
 
@@ -199,10 +194,10 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     """
     if is_recomputing():
         return like.new_zeros(2)
-    if reduced.ok is None:
-        return _counted_update(float(reduced.factor), like.device).clone()
-    # deferred: the factor is already a device tensor, 0 where the checks fail
-    return torch.stack([torch.as_tensor(reduced.factor), reduced.ok.to(torch.float64)])
+    if reduced.update is None:  # immediate: the factor is a host number
+        return counted_update(float(reduced.factor), like.device).clone()
+    # deferred: computed on the device, zeros where the checks fail
+    return reduced.update
 
 
 def _sync_moments(
