@@ -360,7 +360,7 @@ def _define_ops() -> None:
     global _library
     if not FULLGRAPH:
         return
-    _library = torch.library.Library("syncbn", "DEF")
+    _library = torch.library.Library("syncbn", "FRAGMENT")
     for name, (schema, implementation, fake) in _OPS.items():
         _library.define(name + schema)
         _library.impl(name, implementation, "CompositeExplicitAutograd")
