@@ -446,3 +446,29 @@ def test_the_functional_form_compiles_first_in_a_fresh_process() -> None:
         timeout=100,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_ops_pass_torch_library_opcheck() -> None:
+    """Schema, autograd registration, fake (tracing) implementation and AOT dispatch of the
+    ops, as torch checks custom ops (they are tagged ``pt2_compliant``). One process: the
+    sums are local, no collective."""
+    from syncbn import _compiled
+
+    layer = syncbn.SyncBatchNorm(8)
+    moments = torch.rand(2 * 8 + 1, dtype=torch.float64)
+    moments[0] = 36.0  # the count
+    moments.requires_grad_()
+    order = _compiled.order_token(moments.device)
+    forward_args = (moments, order, layer.num_batches_tracked, layer._site_key, "", 0.1)
+    grad = torch.rand(2 * 8 + 1, dtype=torch.float64)
+    ops = torch.ops.syncbn
+    checks = [
+        torch.library.opcheck(ops.sync_moments.default, (*forward_args, _compiled.REVISION)),
+        torch.library.opcheck(
+            ops.sync_moments_backward.default,
+            (grad, grad, torch.empty_like(grad), layer._site_key, ""),
+        ),
+    ]
+    for op, results in zip(("sync_moments", "sync_moments_backward"), checks):
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
+        assert torch.Tag.pt2_compliant_tag in getattr(ops, op).default.tags

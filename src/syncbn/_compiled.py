@@ -362,7 +362,9 @@ def _define_ops() -> None:
         return
     _library = torch.library.Library("syncbn", "FRAGMENT")
     for name, (schema, implementation, fake) in _OPS.items():
-        _library.define(name + schema)
+        # pt2_compliant: torch.library.opcheck passes (tests/test_compile.py), as custom_op
+        # tags its ops
+        _library.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         _library.impl(name, implementation, "CompositeExplicitAutograd")
         torch.library.register_fake(f"syncbn::{name}", fake, lib=_library)
         _keep_in_graph(getattr(torch.ops.syncbn, name).default)
