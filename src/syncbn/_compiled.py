@@ -352,10 +352,10 @@ def _define_ops() -> None:
     (``CompositeExplicitAutograd``), not with ``torch.library.custom_op``: a compiled
     graph calls each op once per layer and step, and the wrappers of ``custom_op``
     (autograd, version counter, dynamo guard and aliasing checks, each a Python call)
-    cost more than the ops themselves (measured on the 2-core CPU machine: forward
-    45 -> 22 us, backward 38 -> 5 us per call for the same body). The backward op needs
-    no autograd kernel; its mutated ``out`` is a fresh buffer of the formula, whose
-    version counter nothing reads.
+    cost more than the ops' bodies (measured on the 2-core CPU machine, per call:
+    forward 92 -> 79 us, backward 121 -> 68 us; ``benchmarks/host_overhead.py``). The
+    backward op needs no autograd kernel; its mutated ``out`` is a fresh buffer of the
+    formula, whose version counter nothing reads.
     """
     global _library
     if not FULLGRAPH:
