@@ -94,6 +94,8 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rather than indexing keeps it so under ``torch.compile`` too. The sample is selected
     first, then its positions are flattened into one (a copy of that sample at most).
     """
+    if x.dim() == 2:  # (N, C): a position is a sample (four ops fewer per masked call)
+        return x.index_select(0, index).reshape(x.shape[1])
     length = math.prod(x.shape[2:])
     sample = x.index_select(0, index // length)  # (1, C, *)
     positions = sample.flatten(2) if x.dim() > 2 else sample.unsqueeze(2)  # (1, C, L)
