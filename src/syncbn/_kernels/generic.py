@@ -98,7 +98,7 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, index).reshape(x.shape[1])
     length = math.prod(x.shape[2:])
     sample = x.index_select(0, index // length)  # (1, C, *)
-    positions = sample.flatten(2) if x.dim() > 2 else sample.unsqueeze(2)  # (1, C, L)
+    positions = sample.flatten(2)  # (1, C, L)
     return positions.index_select(2, index % length).reshape(x.shape[1])
 
 
