@@ -499,6 +499,24 @@ def test_the_shift_is_the_first_valid_sample(x: torch.Tensor) -> None:
     assert torch.equal(nothing_valid, torch.zeros(x.shape[1]))
 
 
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+@pytest.mark.timeout(120)
+def test_inductor_finds_the_first_valid_sample() -> None:
+    """The shift's position under inductor too (a max over a uint8 view of the mask once
+    gave index 0 there, a padded NaN as the shift)."""
+    from syncbn._kernels.generic import first_valid_sample
+
+    x = torch.randn(3, 4, 5, 6, dtype=torch.float64)
+    valid = torch.rand(3, 1, 5, 6) < 0.3
+    valid.view(-1)[:7] = False
+    valid.view(-1)[-1] = True
+    x[~valid.expand_as(x)] = float("nan")
+    torch._dynamo.reset()
+    compiled = torch.compile(first_valid_sample, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, valid), first_valid_sample(x, valid))
+    assert not bool(compiled(x, valid).isnan().any())
+
+
 class _MaskedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -90,16 +90,15 @@ def _center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[n, :, i, j, ...]`` at the flat position ``index`` (shape ``(1,)``) of ``(N, *)``.
 
-    A ``(C,)`` tensor. ``index`` stays a tensor (no host read), and ``index_select``
-    rather than indexing keeps it so under ``torch.compile`` too. The sample is selected
-    first, then its positions are flattened into one (a copy of that sample at most).
+    A ``(C,)`` tensor, gathered from ``C`` values: the positions are flattened into one
+    dimension (a view for contiguous and channels-last inputs, a copy for strides of no
+    memory format), then indexed by sample and position. ``index`` stays a tensor, so
+    there is no host read, in eager mode or under ``torch.compile``.
     """
-    if x.dim() == 2:  # (N, C): a position is a sample (four ops fewer per masked call)
+    if x.dim() == 2:  # (N, C): a position is a sample
         return x.index_select(0, index).reshape(x.shape[1])
     length = math.prod(x.shape[2:])
-    sample = x.index_select(0, index // length)  # (1, C, *)
-    positions = sample.flatten(2)  # (1, C, L)
-    return positions.index_select(2, index % length).reshape(x.shape[1])
+    return x.flatten(2)[index // length, :, index % length].reshape(x.shape[1])
 
 
 #: the integer dtype of each floating dtype's width, for :func:`zero_padded`
@@ -133,9 +132,11 @@ def first_valid_sample(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """
     if valid.numel() == 0:
         return x.new_zeros(x.shape[1])
-    flat = valid.reshape(-1)
-    index = flat.to(torch.int32).argmax().view(1)  # the first True, or 0 if there is none
-    return torch.where(flat.index_select(0, index), _at_position(x, index), 0.0)
+    # the first maximum of the flat mask: whether a position is valid, and the first one (or
+    # 0); max over a dim returns the first index of a tie. (Not over a uint8 view of the
+    # mask: inductor, torch 2.13, then returns index 0.)
+    any_valid, index = valid.reshape(-1).max(0)
+    return torch.where(any_valid, _at_position(x, index.view(1)), 0.0)
 
 
 def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> LocalMoments:
