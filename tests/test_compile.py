@@ -346,6 +346,9 @@ def _errors_under_compile(rank: int, world_size: int) -> dict[str, tuple[str, st
     # ...and one rank's invalid input (wrong channel count) raises on every rank
     wrong = torch.randn(4, 2 if rank == 0 else 3, 5, dtype=torch.float64)
     outcomes["invalid"] = outcome(lambda: compiled(wrong))
+    # a dtype torch's batch norm refuses for the layer's float64 parameters, on rank 0 only
+    mixed = torch.randn(4, 3, 5, dtype=torch.float32 if rank == 0 else torch.float64)
+    outcomes["dtype"] = outcome(lambda: compiled(mixed))
     # two compiled layers called in different orders
     first, second = syncbn.SyncBatchNorm(3).double(), syncbn.SyncBatchNorm(3).double()
     layers = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in (first, second)]
@@ -363,6 +366,11 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
         kind, message = outcomes["invalid"]
         if rank == 0:
             assert kind == "ValueError" and "expected input with 3 channels" in message
+        else:
+            assert kind == "RuntimeError" and "1 other rank(s) failed" in message
+        kind, message = outcomes["dtype"]
+        if rank == 0:
+            assert kind == "RuntimeError" and "got input of dtype torch.float32 and a" in message
         else:
             assert kind == "RuntimeError" and "1 other rank(s) failed" in message
         kind, message = outcomes["order"]

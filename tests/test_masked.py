@@ -85,7 +85,9 @@ def _layer(case: MaskedCase) -> _Masked:
 def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
     """SyncBatchNorm on this rank's padded batches; returns what the gold test compares."""
     torch._dynamo.reset()
-    model = _layer(case).to(case.device)
+    # float64 parameters for float64 input, float32 otherwise (as torch's batch norm takes)
+    param_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    model = _layer(case).to(case.device, param_dtype)
     model.bn.check_mode = case.check_mode
     run: Any = model
     if case.mode != "eager":
@@ -103,15 +105,19 @@ def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
             {
                 "output": y.detach().double().cpu(),
                 "grad_input": x.grad.double().cpu(),  # type: ignore[union-attr]
-                "grad_weight": model.bn.weight.grad.cpu(),  # type: ignore[union-attr]
-                "grad_bias": model.bn.bias.grad.cpu(),  # type: ignore[union-attr]
+                "grad_weight": model.bn.weight.grad.double().cpu(),  # type: ignore[union-attr]
+                "grad_bias": model.bn.bias.grad.double().cpu(),  # type: ignore[union-attr]
                 "channels_last": y.is_contiguous(memory_format=torch.channels_last),
             }
         )
         model.zero_grad()
     if case.check_mode != "immediate":
         syncbn._protocol.raise_deferred(wait=True)  # a deferred problem fails the scenario
-    return {"steps": records, "state": {k: v.cpu() for k, v in model.bn.state_dict().items()}}
+    state = {
+        k: (v.double() if v.is_floating_point() else v).cpu()
+        for k, v in model.bn.state_dict().items()
+    }
+    return {"steps": records, "state": state}
 
 
 def _valid_rows(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -218,6 +218,57 @@ def test_input_on_another_device_than_the_parameters(pool2: WorkerPool) -> None:
     assert kind1 == "RuntimeError" and "1 other rank(s) failed" in message1
 
 
+def _dtype_mismatch(rank: int, world_size: int) -> tuple[str, str]:
+    bn = syncbn.SyncBatchNorm(3)  # float32 parameters and buffers
+    x = torch.randn(4, 3, dtype=torch.float64 if rank == 0 else torch.float32)
+    return outcome(bn, x)
+
+
+def test_input_of_a_dtype_the_parameters_refuse(pool2: WorkerPool) -> None:
+    """A float64 input into a float32 layer, on one rank: torch's batch norm refuses it,
+    and so does every rank of the synchronized call (it computed, in training only, before)."""
+    (kind0, message0), (kind1, message1) = pool2.run(_dtype_mismatch)
+    assert kind0 == "RuntimeError" and "got input of dtype torch.float64 and a" in message0
+    assert kind1 == "RuntimeError" and "1 other rank(s) failed" in message1
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize(
+    ("input_dtype", "layer_dtype", "accepted"),
+    [
+        (torch.float64, torch.float32, False),
+        (torch.float32, torch.float64, False),
+        (torch.bfloat16, torch.float64, False),
+        (torch.bfloat16, torch.float32, True),  # torch's mixed precision: float32 parameters
+        (torch.float64, torch.float64, True),
+    ],
+)
+def test_parameter_dtypes_follow_torch_batch_norm_on_every_path(
+    training: bool,
+    masked: bool,
+    input_dtype: torch.dtype,
+    layer_dtype: torch.dtype,
+    accepted: bool,
+) -> None:
+    """Without a process group the layer is torch's BatchNorm (unmasked) or syncbn's own
+    kernels (masked): both take the dtypes that ``F.batch_norm`` takes, and no others."""
+    bn = syncbn.SyncBatchNorm(3, dtype=layer_dtype).train(training)
+    x = torch.randn(4, 3, 5).to(input_dtype)
+    mask = torch.rand(4, 5) < 0.7 if masked else None
+    try:
+        F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
+        torch_accepts = True
+    except RuntimeError:
+        torch_accepts = False
+    assert torch_accepts == accepted
+    if accepted:
+        assert bn(x, mask).dtype == input_dtype
+    else:
+        with pytest.raises(RuntimeError, match=f"got input of dtype {input_dtype} and a"):
+            bn(x, mask)
+
+
 def _training_without_grad(rank: int, world_size: int) -> dict[str, Any]:
     bn = syncbn.SyncBatchNorm(3, momentum=1.0)
     gen = torch.Generator().manual_seed(5)

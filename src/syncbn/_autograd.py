@@ -40,6 +40,7 @@ __all__ = [
     "input_problem",
     "is_recomputing",
     "join_on_error",
+    "mismatched_parameter",
     "reduce_forward",
     "reducer_for",
     "resolve_mode",
@@ -72,13 +73,34 @@ def is_recomputing() -> bool:
     return current_graph_task_id is not None and current_graph_task_id() != -1
 
 
+#: input dtypes that torch's batch norm also takes with float32 parameters and buffers
+_REDUCED_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def mismatched_parameter(input: torch.Tensor, *tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """The first of a layer's per-channel tensors whose dtype torch's batch norm rejects for
+    ``input``: not the input's dtype, nor float32 for a float16 or bfloat16 input."""
+    for tensor in tensors:  # a loop: dynamo < 2.4 cannot trace next() with a default
+        if tensor is None or tensor.dtype == input.dtype:
+            continue
+        if not (input.dtype in _REDUCED_PRECISION and tensor.dtype == torch.float32):
+            return tensor
+    return None
+
+
 def input_problem(
     input: torch.Tensor,
     num_features: int | None,
     param_device: torch.device | None = None,
     layer_kind: str = "SyncBatchNorm",
+    parameters: tuple[torch.Tensor | None, ...] = (),
 ) -> Exception | None:
-    """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch."""
+    """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch.
+
+    Args:
+        parameters: the layer's weight, bias and running statistics (``None`` where it has
+            none), whose dtypes must be what torch's batch norm accepts with the input's.
+    """
     if input.dim() < 2:
         return ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     if num_features is not None and input.shape[1] != num_features:
@@ -99,6 +121,14 @@ def input_problem(
         return RuntimeError(
             "Expected input and the layer's parameters and buffers to be on the same device, "
             f"got input on {input.device} and parameters on {param_device}"
+        )
+    mismatched = mismatched_parameter(input, *parameters)
+    if mismatched is not None:
+        return RuntimeError(
+            f"{layer_kind}: expected the layer's parameters and buffers to have the input's "
+            f"dtype, or float32 for a float16 or bfloat16 input (as torch's batch norm does); "
+            f"got input of dtype {input.dtype} and a parameter or buffer of dtype "
+            f"{mismatched.dtype}. Convert the layer (layer.to(dtype)) or the input"
         )
     return None
 
@@ -437,7 +467,8 @@ def forward_train(
     valid = None
     with join_on_error(options, "forward", device):
         mode = resolve_mode(options, device)
-        problem = input_problem(input, num_channels, device)
+        parameters = (weight, bias, running_mean, running_var)
+        problem = input_problem(input, num_channels, device, parameters=parameters)
         if problem is None and mask is not None:
             problem = mask_problem(mask, input)
         if problem is not None:

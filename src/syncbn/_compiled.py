@@ -61,6 +61,7 @@ from syncbn._autograd import (
     input_problem,
     is_recomputing,
     join_on_error,
+    mismatched_parameter,
     reduce_forward,
     reducer_for,
     resolve_mode,
@@ -296,7 +297,7 @@ def _fail_forward(
 ) -> torch.Tensor:
     # the problem that tracing found, found again on the real tensors (a graph cannot
     # carry the message: dynamo does not trace str() of an exception)
-    problem = input_problem(input, num_features, anchor.device)
+    problem = input_problem(input, num_features, anchor.device, parameters=(anchor,))
     if problem is None and mask is not None:
         problem = mask_problem(mask, input)
     if problem is None:  # pragma: no cover - tracing and run time see the same metadata
@@ -500,7 +501,11 @@ def sync_batch_norm_train(
     """
     per_channel = first_given(weight, bias, running_mean, running_var)
     anchor = input if per_channel is None else per_channel  # where the buffers live
-    problem = input_problem(input, num_features, anchor.device)
+    parameters = (weight, bias, running_mean, running_var)
+    problem = input_problem(input, num_features, anchor.device, parameters=parameters)
+    mismatched = mismatched_parameter(input, *parameters)
+    if mismatched is not None:  # the anchor is the tensor a dtype problem names: the op
+        anchor = mismatched  # finds the problem again from it
     if problem is None and mask is not None:
         problem = mask_problem(mask, input)
     if problem is not None:

@@ -162,7 +162,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         self._prepare_order_token()
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
-        problem = input_problem(input, self.num_features)
+        parameters = (self.weight, self.bias, self.running_mean, self.running_var)
+        problem = input_problem(input, self.num_features, parameters=parameters)
         if problem is not None:
             raise problem
 

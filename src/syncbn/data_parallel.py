@@ -97,7 +97,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
             self._check_input_dim(input)  # BatchNorm1d/2d/3d's own dims check
         except ValueError as error:
             return error
-        return input_problem(input, self.num_features, layer_kind=type(self).__name__)
+        parameters = (self.weight, self.bias, self.running_mean, self.running_var)
+        return input_problem(
+            input, self.num_features, layer_kind=type(self).__name__, parameters=parameters
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         traced = leaf_call_when_fx_traced(self, input)

@@ -91,6 +91,7 @@ def sync_batch_norm(
             input,
             None if per_channel is None else per_channel.numel(),
             None if per_channel is None else per_channel.device,
+            parameters=(weight, bias, running_mean, running_var),
         )
         if problem is None and mask is not None:
             problem = _composite.mask_problem(mask, input)
