@@ -280,8 +280,33 @@ def test_eval_without_running_statistics_uses_the_valid_positions() -> None:
     layer = syncbn.SyncBatchNorm(3, track_running_stats=False).double().eval()
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     mask = torch.rand(4, 5) < 0.5
-    expected = nn.BatchNorm1d(3, track_running_stats=False).double()(_valid_rows(x, mask))
-    torch.testing.assert_close(_valid_rows(layer(x, mask), mask), expected)
+    x = x.masked_fill(~mask.unsqueeze(1).expand_as(x), float("nan")).requires_grad_()
+    rows = _valid_rows(x.detach(), mask).requires_grad_()
+    expected = nn.BatchNorm1d(3, track_running_stats=False).double()(rows)
+    y = layer(x, mask)
+    torch.testing.assert_close(_valid_rows(y, mask), expected)
+    assert bool((_valid_rows(y, ~mask) == 0).all())
+    grad = torch.randn_like(x)
+    (grad_x,) = torch.autograd.grad(y, x, grad)
+    (grad_rows,) = torch.autograd.grad(expected, rows, _valid_rows(grad, mask))
+    torch.testing.assert_close(_valid_rows(grad_x, mask), grad_rows)
+    assert bool((_valid_rows(grad_x, ~mask) == 0).all())
+
+
+def test_eval_without_running_statistics_refuses_a_single_valid_position() -> None:
+    """torch's layer refuses one value per channel there (batch statistics); so does a
+    masked call with one valid position, and for an unmasked one it is torch's own error."""
+    layer = syncbn.SyncBatchNorm(3, track_running_stats=False).eval()
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        nn.BatchNorm1d(3, track_running_stats=False).eval()(torch.randn(1, 3, 1))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        layer(torch.randn(1, 3, 1))
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1, 2] = True
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        layer(torch.randn(2, 3, 4), mask)
+    mask[0, 0] = True  # two valid positions: fine
+    assert layer(torch.randn(2, 3, 4), mask).shape == (2, 3, 4)
 
 
 def test_the_functional_form_takes_a_mask() -> None:

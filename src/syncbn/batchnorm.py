@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn import _compiled, _composite, _conversion, distributed
-from syncbn._autograd import first_given, input_problem, is_recomputing, sync_batch_norm_train
+from syncbn._autograd import (
+    LocalReducer,
+    first_given,
+    input_problem,
+    is_recomputing,
+    sync_batch_norm_train,
+)
 from syncbn._layer_identity import LayerIdentity
 
 __all__ = ["SyncBatchNorm"]
@@ -213,7 +219,13 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             raise problem
         if self.running_mean is None and self.running_var is None:
             # no running statistics: those of the local batch, as torch's layers do
-            if mask is not None:
+            if mask is not None and not _compiled.is_compiling():
+                # the eager training call of a process alone: its checks raise torch's error
+                # for a single valid position, as torch's layers do for a single value
+                options = self._train_options(self._layer_info(None))
+                alone = options._replace(reducer=LocalReducer())
+                return sync_batch_norm_train(input, self.weight, self.bias, alone, mask=mask)
+            if mask is not None:  # compiled: no check of the valid count (README)
                 return _composite.batch_norm_train(
                     input, self.weight, self.bias, mask, _composite.keep_local, eps=self.eps
                 )
