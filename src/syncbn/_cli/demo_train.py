@@ -213,18 +213,19 @@ def rank_main(
         torch.as_tensor(data.test_x, dtype=dtype, device=device),
         torch.as_tensor(data.test_y, dtype=torch.long, device=device),
     )
-    try:
-        records: dict[str, dict[str, Any]] = {}
-        states: dict[str, dict[str, torch.Tensor]] = {}
-        for run in RUNS[:2]:
-            records[run], states[run] = _train(run, config, rank, tensors, device)
-    finally:
-        dist.destroy_process_group()
+    records: dict[str, dict[str, Any]] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for run in RUNS[:2]:
+        records[run], states[run] = _train(run, config, rank, tensors, device)
+    # The process group stays until the launcher tears it down, after this rank's report:
+    # destroying it here could deadlock with gloo's worker threads on torch < 2.8 (README,
+    # Troubleshooting; 3-4 demos in 16 hung on torch 2.3.1), and the launcher bounds that.
     if rank != 0:
         return None
 
     # (c) runs here, on rank 0 alone, after the other ranks are done: one process with one
-    # thread, like each DDP rank, and no competition for the cores while it is timed.
+    # thread, like each DDP rank, and no competition for the cores while it is timed (the
+    # idle process group runs nothing).
     records["single_process"], reference = _train("single_process", config, 0, tensors, device)
     parameters = {name for name, _ in DemoNet().named_parameters()}
     for run in RUNS:
