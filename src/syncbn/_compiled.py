@@ -503,14 +503,14 @@ def sync_batch_norm_train(
     anchor = input if per_channel is None else per_channel  # where the buffers live
     parameters = (weight, bias, running_mean, running_var)
     problem = input_problem(input, num_features, anchor.device, parameters=parameters)
-    mismatched = mismatched_parameter(input, *parameters)
-    if mismatched is not None:  # the anchor is the tensor a dtype problem names: the op
-        anchor = mismatched  # finds the problem again from it
     if problem is None and mask is not None:
         problem = mask_problem(mask, input)
     if problem is not None:
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise problem  # not a tensor: a programming error, the same on every rank
+        mismatched = mismatched_parameter(input, *parameters)
+        if mismatched is not None:  # the anchor is the tensor a dtype problem names: the
+            anchor = mismatched  # op finds the problem again from it
         output: torch.Tensor = torch.ops.syncbn.fail_forward(
             input.detach(),
             anchor.detach(),

@@ -219,13 +219,14 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             raise problem
         if self.running_mean is None and self.running_var is None:
             # no running statistics: those of the local batch, as torch's layers do
-            if mask is not None and not _compiled.is_compiling():
-                # the eager training call of a process alone: its checks raise torch's error
-                # for a single valid position, as torch's layers do for a single value
-                options = self._train_options(self._layer_info(None))
-                alone = options._replace(reducer=LocalReducer())
-                return sync_batch_norm_train(input, self.weight, self.bias, alone, mask=mask)
-            if mask is not None:  # compiled: no check of the valid count (README)
+            if mask is not None:
+                if not _compiled.is_compiling():
+                    # the eager training call of a process alone: its checks raise torch's
+                    # error for a single valid position, as torch's layers do for one value
+                    options = self._train_options(self._layer_info(None))
+                    alone = options._replace(reducer=LocalReducer())
+                    return sync_batch_norm_train(input, self.weight, self.bias, alone, mask=mask)
+                # compiled: no check of the valid count (README)
                 return _composite.batch_norm_train(
                     input, self.weight, self.bias, mask, _composite.keep_local, eps=self.eps
                 )
