@@ -62,9 +62,20 @@ def _no_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+#: world size -> the groups of :func:`_alone_groups` in this pool process
+_alone: dict[int, list[dist.ProcessGroup]] = {}
+
+
 def _alone_groups(world_size: int) -> list[dist.ProcessGroup]:
-    """One nccl group of one rank per process (every rank creates every group)."""
-    return [dist.new_group([r], backend="nccl") for r in range(world_size)]
+    """One nccl group of one rank per process (every rank creates every group).
+
+    Created by the first scenario that needs them and then kept: a pool's processes run
+    the session's scenarios in the same order (so every rank creates them in the same
+    call), and communicators created per scenario would pile up on the one GPU.
+    """
+    if world_size not in _alone:
+        _alone[world_size] = [dist.new_group([r], backend="nccl") for r in range(world_size)]
+    return _alone[world_size]
 
 
 def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

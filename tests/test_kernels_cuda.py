@@ -22,7 +22,7 @@ from _harness import WorkerPool
 from test_collectives import _large_mean_statistics, assert_large_mean_accurate
 from test_masked import MaskedCase, _assert_matches, _run_masked
 
-from syncbn import _kernels
+from syncbn import _autograd, _kernels, _protocol
 
 
 def _channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -36,14 +36,16 @@ def _elemt(
     mean: torch.Tensor,
     invstd: torch.Tensor,
     eps: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(x - mean) * invstd * weight + bias``."""
+    """``(x - mean) * invstd * weight + bias`` (into ``out``, which may be ``input``)."""
     output = (input - _channel(mean, input)) * _channel(invstd, input)
     if weight is not None:
         output = output * _channel(weight, input)
     if bias is not None:
         output = output + _channel(bias, input)
-    return output
+    return output if out is None else out.copy_(output)
 
 
 def _backward_elemt(
@@ -83,9 +85,9 @@ def counted_cuda_ops(
     saved = torch.batch_norm_elemt, torch.batch_norm_backward_elemt
 
     def counted(name: str, fn: Any) -> Any:
-        def call(*args: Any) -> torch.Tensor:
+        def call(*args: Any, **kwargs: Any) -> torch.Tensor:
             calls[name] += 1
-            return fn(*args)  # type: ignore[no-any-return]
+            return fn(*args, **kwargs)  # type: ignore[no-any-return]
 
         return call
 
@@ -205,3 +207,41 @@ def test_masked_calls_fuse_the_input_gradient_only(pool3: WorkerPool) -> None:
     _assert_matches(case, per_rank)
     for size, result in zip(case.sizes, per_rank):
         assert result["calls"] == ({"backward_elemt": case.steps} if size else {}), result
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 2**31 - 1, 2**31, 2**31 + 1, 5_000_000_001])
+def test_the_kernel_count_holds_counts_beyond_int32(count: int) -> None:
+    """``batch_norm_backward_elemt`` sums an int32 count tensor: a global count above
+    2**31 - 1 values per channel (many ranks of large volumes) is given in parts that
+    each fit, and sum to it, whether the count is a number or a device tensor."""
+    from syncbn._kernels.cuda import _kernel_count
+
+    device = torch.device("cpu")
+    for given in (count, torch.tensor(float(count), dtype=torch.float64)):
+        parts = _kernel_count(given, device)
+        assert parts.dtype == torch.int32, parts.dtype
+        assert int(parts.sum(dtype=torch.int64)) == count, (given, parts)
+        assert bool((parts >= 0).all()), parts
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda device: _kernels.generic.constants(3, torch.float32, device),
+        # every constant of the buffer protocol (head, trailer, header slots) is built here
+        lambda device: _protocol._on_device([1.0, 2.0], torch.float64, device),
+        lambda device: _autograd.counted_update(0.123, device),
+        lambda device: _kernels.cuda._part_offsets(device),
+    ],
+    ids=["kernel-constants", "protocol-constants", "counted-update", "count-parts"],
+)
+def test_device_constants_are_never_built_during_a_graph_capture(
+    build: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached constant built inside a CUDA graph capture would be filled only at replay
+    (eager calls would read garbage first): syncbn asks for a warm-up step instead. On
+    the CPU the capture is simulated: a "cuda" device whose stream reports capturing, so
+    that the check must come before anything touches the device."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="a CUDA graph is being captured.*warm-up"):
+        build(torch.device("cuda"))

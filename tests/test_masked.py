@@ -526,6 +526,7 @@ def test_the_shift_is_the_first_valid_sample(x: torch.Tensor) -> None:
     x[~valid.expand_as(x)] = float("nan")  # padded values never become the shift
     first = x.movedim(1, -1)[valid.squeeze(1)][0]  # the valid positions in flat order
     assert torch.equal(first_valid_sample(x, valid), first)
+    assert torch.equal(first_valid_sample(x, valid.to(torch.int32)), first)  # compiled code's
     nothing_valid = first_valid_sample(x, torch.zeros(positions, dtype=torch.bool))
     assert torch.equal(nothing_valid, torch.zeros(x.shape[1]))
 
@@ -533,8 +534,9 @@ def test_the_shift_is_the_first_valid_sample(x: torch.Tensor) -> None:
 @pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
 @pytest.mark.timeout(120)
 def test_inductor_finds_the_first_valid_sample() -> None:
-    """The shift's position under inductor too (a max over a uint8 view of the mask once
-    gave index 0 there, a padded NaN as the shift)."""
+    """The shift's position under inductor too, with the int32 mask that compiled code
+    passes (a max over a uint8 view of the mask once gave index 0 there, a padded NaN as
+    the shift; over bool, inductor's indices are wrong on CUDA before torch's 2026 fix)."""
     from syncbn._kernels.generic import first_valid_sample
 
     x = torch.randn(3, 4, 5, 6, dtype=torch.float64)
@@ -544,8 +546,11 @@ def test_inductor_finds_the_first_valid_sample() -> None:
     x[~valid.expand_as(x)] = float("nan")
     torch._dynamo.reset()
     compiled = torch.compile(first_valid_sample, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(x, valid), first_valid_sample(x, valid))
-    assert not bool(compiled(x, valid).isnan().any())
+    expected = first_valid_sample(x, valid)
+    assert torch.equal(compiled(x, valid.to(torch.int32)), expected)
+    assert not bool(expected.isnan().any())
+    nothing_valid = torch.zeros_like(valid, dtype=torch.int32)
+    assert torch.equal(compiled(x, nothing_valid), torch.zeros(4, dtype=x.dtype))
 
 
 class _MaskedBlock(nn.Module):

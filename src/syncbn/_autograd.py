@@ -334,7 +334,7 @@ def resolve_mode(options: TrainOptions, device: torch.device) -> str:
     """This call's check mode; first raises a deferred problem of an earlier call, if any."""
     mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     if mode == "deferred":
-        _protocol.raise_deferred()  # a problem of an earlier call, now arrived
+        _protocol.raise_deferred(device=device)  # a problem of an earlier call, now arrived
     return mode
 
 
@@ -360,6 +360,7 @@ def counted_update(factor: float, device: torch.device) -> torch.Tensor:
     from call to call): the running statistics' factor and the batch count's increment.
 
     Filled on the device (no copy from the host, which a GPU's sync check would flag)."""
+    _protocol.refuse_during_capture(device)
     update = torch.ones(2, dtype=torch.float64, device=device)
     update[:1].fill_(factor)
     return update

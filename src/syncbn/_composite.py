@@ -141,7 +141,7 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
     else:
         valid = valid_positions(mask, x)
         count = valid.sum(dtype=torch.float64)
-        shift = first_valid_sample(detached, valid)
+        shift = first_valid_sample(detached, valid.to(torch.int32))  # not bool: see there
         valid = _tested_per_element(valid, dtype)
         centered = torch.where(valid, x - channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]

@@ -63,6 +63,7 @@ __all__ = [
     "pack_forward_moments",
     "raise_deferred",
     "read_header",
+    "refuse_during_capture",
     "resolve_check_mode",
 ]
 
@@ -206,10 +207,42 @@ class Header(NamedTuple):
     global_count: int  # forward buffers only: the global count per channel
 
 
+def _is_capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (``device`` need not be
+    the current device: a model on ``cuda:1`` without ``torch.cuda.set_device(1)``)."""
+    if device.type != "cuda":
+        return False
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
+
+
+def refuse_during_capture(device: torch.device) -> None:
+    """Raise if a CUDA graph is being captured on ``device``: called where syncbn builds a
+    constant tensor that it then caches for later calls.
+
+    Built inside a capture, the constant would be filled only when the graph replays (and
+    a copy would read a freed pinned buffer then), while eager calls read it at once.
+
+    Raises:
+        RuntimeError: asking for a warm-up step before the capture.
+    """
+    if _is_capturing(device):
+        raise RuntimeError(
+            f"SyncBatchNorm needs a small constant tensor on {device} that it builds at the "
+            "first call with a new local batch size, layer, dtype or momentum and then "
+            "caches, but a CUDA graph is being captured; run the same training step once "
+            "before capturing it (a warm-up, as CUDA graph capture requires)"
+        )
+
+
 def _on_device(
     values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A small constant tensor on ``device``, copied from pinned memory without waiting."""
+    """A small constant tensor on ``device``, copied from pinned memory without waiting
+    (for the caches of this module: never during a CUDA graph capture)."""
+    refuse_during_capture(device)
     tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return tensor
@@ -348,10 +381,6 @@ class _PendingCheck(NamedTuple):
 _pending: collections.deque[_PendingCheck] = collections.deque()
 
 
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def defer_check(
     buffer: torch.Tensor, check: HeaderCheck, values: torch.Tensor | None = None
 ) -> None:
@@ -371,18 +400,25 @@ def defer_check(
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        # on the stream the copy went to: that of the buffer's device, which need not be
+        # the current device (a bare record() would mark the current device's stream)
+        ready.record(torch.cuda.current_stream(buffer.device))
         values = host
     _pending.append(_PendingCheck(values, ready, check))
 
 
-def raise_deferred(wait: bool = False) -> None:
+def raise_deferred(wait: bool = False, device: torch.device | None = None) -> None:
     """Raise the first problem among the deferred checks whose header has arrived.
 
     Checks are inspected in call order; one whose copy has not finished stops the scan
     (unless ``wait``, which waits for it). Inspected checks are forgotten.
+
+    Args:
+        device: the calling layer's device, whose stream may be capturing a CUDA graph
+            while the current device's is not.
     """
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    if capturing or (device is not None and _is_capturing(device)):
         return  # querying an event would invalidate the capture; checked after it
     while _pending:
         values, ready, check = _pending[0]

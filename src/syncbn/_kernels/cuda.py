@@ -24,12 +24,44 @@ keep it where a GPU run finds it faster than the generic kernels).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from syncbn._kernels import generic
 from syncbn._kernels.generic import LocalMoments, backward_reduce, local_moments, zero_padded
+from syncbn._protocol import refuse_during_capture
 
 __all__ = ["backward_reduce", "input_grad", "local_moments", "normalize", "zero_padded"]
+
+_INT32_MAX = 2**31 - 1
+#: how many int32 entries a count of more than :data:`_INT32_MAX` is split into
+_COUNT_PARTS = 16
+
+
+@functools.lru_cache(maxsize=64)
+def _part_offsets(device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., _COUNT_PARTS - 1]`` in float64 on ``device``."""
+    refuse_during_capture(device)
+    return torch.arange(_COUNT_PARTS, dtype=torch.float64, device=device)
+
+
+def _kernel_count(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The global count per channel as the int32 tensor ``batch_norm_backward_elemt`` takes.
+
+    The kernel sums the tensor's entries (in int64; torch.nn.SyncBatchNorm passes one per
+    rank), so a count that int32 cannot hold is given in parts: ``floor((n + i) / k)`` for
+    ``i < k`` sum to ``n``, each at most ``ceil(n / k)``. A device tensor count (never read
+    by the host) is always split, up to ``k * (2**31 - 1)`` (3.4e10) values per channel; a
+    number only when it has to be.
+    """
+    if isinstance(count, torch.Tensor):
+        parts = (count + _part_offsets(device)).div_(_COUNT_PARTS, rounding_mode="floor")
+        return parts.to(torch.int32)
+    if count <= _INT32_MAX:
+        return torch.full((1,), count, dtype=torch.int32, device=device)  # no host copy
+    parts = torch.full((), count, dtype=torch.float64, device=device) + _part_offsets(device)
+    return parts.div_(_COUNT_PARTS, rounding_mode="floor").to(torch.int32)
 
 
 def _dense_format(tensor: torch.Tensor) -> torch.memory_format | None:
@@ -63,8 +95,11 @@ def normalize(
         return generic.normalize(input, moments, saved, mean, scale, weight, bias, eps, valid)
     offset = generic.output_offset(moments.shift, mean, scale, bias)
     zeros, _, _ = generic.constants(scale.numel(), dtype, scale.device)
-    # saved[2]: the scale in the statistics dtype, converted once already
-    return torch.batch_norm_elemt(centered, None, offset.to(dtype), zeros, saved[2], 0.0)
+    # saved[2]: the scale in the statistics dtype, converted once already; written into the
+    # shifted copy in place, as the generic passes do (each element is read, then written)
+    return torch.batch_norm_elemt(
+        centered, None, offset.to(dtype), zeros, saved[2], 0.0, out=centered
+    )
 
 
 def input_grad(
@@ -90,10 +125,6 @@ def input_grad(
     mean, var, scale = saved.unbind()
     inverse_std = (var + eps).rsqrt()
     sum_dy, sum_dy_xhat = totals.to(saved.dtype).unbind()
-    if isinstance(count, torch.Tensor):
-        counts = count.to(torch.int32).view(1)
-    else:
-        counts = torch.full((1,), count, dtype=torch.int32, device=input.device)  # no host copy
     # the kernel wants both gradients in the input's memory format
     grad_output = grad_output.contiguous(memory_format=memory_format)
     grad_input = torch.batch_norm_backward_elemt(
@@ -104,6 +135,6 @@ def input_grad(
         scale / inverse_std,  # the weight (scale = weight / sqrt(var + eps))
         sum_dy,
         sum_dy_xhat / inverse_std,
-        counts,
+        _kernel_count(count, input.device),
     )
     return grad_input if valid is None else zero_padded(grad_input, valid, inplace=True)

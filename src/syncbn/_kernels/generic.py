@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from syncbn._protocol import refuse_during_capture
 from syncbn._stats import stat_dtype, unshifted_sums
 
 __all__ = [
@@ -60,6 +61,7 @@ def constants(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean 0 and variance (or weight) 1, which turn batch-norm kernels into plain sums, and
     an empty tensor for the saved statistics of an eval-mode backward (CUDA requires one)."""
+    refuse_during_capture(device)
     zeros = torch.zeros(num_channels, dtype=dtype, device=device)
     return zeros, zeros + 1, zeros.new_empty(0)
 
@@ -125,18 +127,23 @@ def zero_padded(tensor: torch.Tensor, valid: torch.Tensor, inplace: bool = False
 
 
 def first_valid_sample(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The ``(C,)`` values of ``x`` at its first valid position (``valid``: ``(N, 1, *)``).
+    """The ``(C,)`` values of ``x`` at its first valid position.
 
     Zeros when no position is valid, so that a padded NaN never becomes a shift. No host
     read: the position stays a tensor.
+
+    Args:
+        valid: ``(N, 1, *)``, True (or 1) at the valid positions: bool in eager mode; int32
+            in code that inductor compiles, whose max over a bool tensor returns wrong
+            indices on CUDA (pytorch/pytorch#174069, fixed in 2026) and, for some shapes,
+            on the CPU (#184893); over a uint8 view of the mask it returned 0 (torch 2.13).
     """
     if valid.numel() == 0:
         return x.new_zeros(x.shape[1])
     # the first maximum of the flat mask: whether a position is valid, and the first one (or
-    # 0); max over a dim returns the first index of a tie. (Not over a uint8 view of the
-    # mask: inductor, torch 2.13, then returns index 0.)
+    # 0); max over a dim returns the first index of a tie
     any_valid, index = valid.reshape(-1).max(0)
-    return torch.where(any_valid, _at_position(x, index.view(1)), 0.0)
+    return torch.where(any_valid.bool(), _at_position(x, index.view(1)), 0.0)
 
 
 def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> LocalMoments:
