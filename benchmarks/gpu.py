@@ -427,6 +427,17 @@ def _render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _render_or_say_why(results: dict[str, Any]) -> str:
+    """:func:`_render`, or why it failed: a table that cannot be drawn must not stop the
+    parts still to run (their numbers are in gpu.json either way)."""
+    try:
+        return _render(results)
+    except Exception as error:  # noqa: BLE001 - reported in place of the tables
+        return (
+            f"# GPU results\n\nRendering failed ({type(error).__name__}: {error}); see gpu.json.\n"
+        )
+
+
 def _render_masked(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"## Masked calls ({int(MASKED_VALID * 100)} % valid) against unmasked ones, "
@@ -509,8 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             results[part] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
         # written after every part, so that a run cut short keeps what it measured
         (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out / "gpu.md").write_text(_render(results))
-    print(_render(results))
+        (args.out / "gpu.md").write_text(_render_or_say_why(results))
+    print(_render_or_say_why(results))
     return 1 if any("error" in results[part] for part in args.parts) else 0
 
 

@@ -420,3 +420,48 @@ def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
     assert _kernels.kernels_for(torch.device("cuda")) is _kernels.generic
     table = gpu._render_masked(rows)
     assert sum(line.startswith("| 4x3x5 |") for line in table) == len(gpu.MASKED_DTYPES)
+
+
+def test_gpu_results_of_every_part_render() -> None:
+    """benchmarks/gpu.py's tables from results shaped as its GPU parts return them (which
+    no CPU run produces): every part's table is drawn, and a variant that failed is shown
+    with its error instead of stopping the table."""
+    gpu = _load("gpu")
+    timing = {"device_ms": 2.0, "host_ms": 0.5, "syncs": 0}
+    layer_row = {"shape": "32x64x56x56", "dtype": "float32", "channels_last": True}
+    per_rank = [[layer_row | {k: timing for k in gpu.LAYER_KINDS[1:]}] for _ in range(2)]
+    compiled = {
+        f"{kind} {mode}": timing | {"compile_s": 60.0}
+        for kind in ("cudnn", "syncbn")
+        for mode in gpu.COMPILE_MODES
+    }
+    compiled["syncbn reduce-overhead"] = {"error": "RuntimeError: boom"}
+    masked_row = {"shape": "32x256x400", "dtype": "bfloat16"} | {
+        f"{k} {m}": timing for k in ("syncbn", "syncbn-fused") for m in ("unmasked", "masked")
+    }
+    results = {
+        "machine": {"date": "2026-11-25", "cuda": "12.8", "torch": "2.11.0"},
+        "layers": [layer_row | {k: timing for k in gpu.LAYER_KINDS}],
+        "step": {
+            "cudnn": {"eager": timing, "graph": timing},
+            "torch-sync": {"eager": timing, "graph": {"error": "RuntimeError: capture"}},
+            "syncbn": {"eager": timing, "graph": timing},
+        },
+        "ranks": per_rank,
+        "compile": compiled,
+        "masked": [masked_row],
+    }
+    text = gpu._render(results)
+    for heading in (
+        "## Per layer",
+        "## resnet50 training step",
+        "## 2 ranks",
+        "torch.compile",
+        "## Masked calls",
+    ):
+        assert heading in text, heading
+    assert "| 32x64x56x56 | float32 | channels_last | 2.000 / 0.500 / 0 |" in text
+    assert "RuntimeError: capture" in text and "RuntimeError: boom" in text
+    assert "| syncbn | default | 2.00 | 0.50 | 60 | 1.00x |" in text
+    failed = results | {"layers": [{"shape": "broken"}]}  # a row without its timings
+    assert "Rendering failed (KeyError" in gpu._render_or_say_why(failed)
