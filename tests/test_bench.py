@@ -427,16 +427,16 @@ def test_gpu_results_of_every_part_render() -> None:
     no CPU run produces): every part's table is drawn, and a variant that failed is shown
     with its error instead of stopping the table."""
     gpu = _load("gpu")
-    timing = {"device_ms": 2.0, "host_ms": 0.5, "syncs": 0}
-    layer_row = {"shape": "32x64x56x56", "dtype": "float32", "channels_last": True}
+    timing: dict[str, Any] = {"device_ms": 2.0, "host_ms": 0.5, "syncs": 0}
+    layer_row: dict[str, Any] = {"shape": "32x64x56x56", "dtype": "float32", "channels_last": True}
     per_rank = [[layer_row | {k: timing for k in gpu.LAYER_KINDS[1:]}] for _ in range(2)]
-    compiled = {
+    compiled: dict[str, Any] = {
         f"{kind} {mode}": timing | {"compile_s": 60.0}
         for kind in ("cudnn", "syncbn")
         for mode in gpu.COMPILE_MODES
     }
     compiled["syncbn reduce-overhead"] = {"error": "RuntimeError: boom"}
-    masked_row = {"shape": "32x256x400", "dtype": "bfloat16"} | {
+    masked_row: dict[str, Any] = {"shape": "32x256x400", "dtype": "bfloat16"} | {
         f"{k} {m}": timing for k in ("syncbn", "syncbn-fused") for m in ("unmasked", "masked")
     }
     results = {
