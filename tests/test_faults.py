@@ -7,6 +7,8 @@ inside the process group's timeout; a global count of 0 behaves like torch.
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Any
 
@@ -322,3 +324,52 @@ def test_deferred_checks_wait_while_a_cuda_graph_is_captured(
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.raises(AssertionError, match="a CUDA event was queried"):
         _protocol.raise_deferred()  # after the capture it is
+
+
+class _SlowArrivedEvent:
+    """An event whose copy has arrived, queried slowly: the querying thread lets others
+    run meanwhile, as a CUDA event query releases the GIL."""
+
+    def query(self) -> bool:
+        time.sleep(0.002)
+        return True
+
+
+class _CountingCheck:
+    def __init__(self, seen: collections.Counter[int], index: int) -> None:
+        self.seen, self.index = seen, index
+
+    def problem(self, header: _protocol.Header) -> Exception | None:
+        self.seen[self.index] += 1
+        return None
+
+
+def test_deferred_checks_are_each_inspected_once_by_concurrent_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DataParallel's replicas call their layers from one thread per device, each
+    scanning the deferred checks: every check is inspected exactly once, and no thread
+    fails (a scan between another's peek and pop inspected checks twice, popped others
+    unchecked, or popped from an empty queue)."""
+    seen: collections.Counter[int] = collections.Counter()
+    pending = [
+        _protocol._PendingCheck(torch.zeros(5), _SlowArrivedEvent(), _CountingCheck(seen, i))  # type: ignore[arg-type]
+        for i in range(40)
+    ]
+    monkeypatch.setattr(_protocol, "_pending", collections.deque(pending))
+    errors: list[BaseException] = []
+
+    def scan() -> None:
+        try:
+            _protocol.raise_deferred()
+        except BaseException as error:  # noqa: BLE001 - collected, asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=scan) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert seen == collections.Counter(range(40)), seen
+    assert not _protocol._pending

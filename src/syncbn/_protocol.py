@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import zlib
 from typing import NamedTuple, Protocol
 
@@ -379,6 +380,11 @@ class _PendingCheck(NamedTuple):
 
 
 _pending: collections.deque[_PendingCheck] = collections.deque()
+#: held while :func:`raise_deferred` scans :data:`_pending`: the replicas of
+#: :mod:`syncbn.data_parallel` call their layers from one thread per device, and a scan
+#: between another's peek and pop would check an entry twice and pop one unchecked (or
+#: pop from an empty queue); an event query lets other threads run in between
+_pending_lock = threading.Lock()
 
 
 def defer_check(
@@ -420,18 +426,28 @@ def raise_deferred(wait: bool = False, device: torch.device | None = None) -> No
     capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
     if capturing or (device is not None and _is_capturing(device)):
         return  # querying an event would invalidate the capture; checked after it
+    with _pending_lock:
+        problem = _first_arrived_problem(wait)
+    if problem is not None:
+        raise type(problem)(f"(deferred check) {problem}") from None
+
+
+def _first_arrived_problem(wait: bool) -> Exception | None:
+    """:func:`raise_deferred`'s scan (under :data:`_pending_lock`): the first problem among
+    the checks whose header has arrived, if any; inspected checks are forgotten."""
     while _pending:
         values, ready, check = _pending[0]
         if ready is not None:
             if wait:
                 ready.synchronize()
             elif not ready.query():
-                return
+                return None
         _pending.popleft()
         problem = check.problem(_to_header(values.tolist()))
         if problem is not None:
             _pending.clear()  # later calls computed with the same broken collectives
-            raise type(problem)(f"(deferred check) {problem}") from None
+            return problem
+    return None
 
 
 def resolve_check_mode(mode: str, device: torch.device) -> str:
