@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, cast
@@ -284,6 +285,94 @@ def test_failure_outside_the_layer_releases_the_others() -> None:
     assert isinstance(errors[1], OSError)
     assert isinstance(errors[0], RuntimeError)
     assert "because replica 1 raised OSError: simulated failure" in str(errors[0])
+
+
+class _ArrivesNextStep:
+    """A deferred header copy that lands only after the step that made it (a GPU's copies
+    land after the host has queued the whole forward)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps, self.made_at = steps, steps[0]
+
+    def query(self) -> bool:
+        return self.steps[0] > self.made_at
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_failed_step_does_not_fail_the_steps_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user who catches one step's error (an out-of-memory error on one GPU) goes on
+    training: the checks that the failed step deferred (the GPU default), error flags
+    included, are not raised again by the next step, which would then fail the step after
+    it too, and so on. The replicas run in CPU threads, with the GPU's deferred checks."""
+    from syncbn import _protocol
+    from syncbn._kernels import generic
+
+    steps = [0]
+
+    def defer_check(buffer: torch.Tensor, check: Any, values: Any = None) -> None:
+        values = _protocol.header_values(buffer, forward=check.phase == "forward")
+        _protocol._pending.append(
+            _protocol._PendingCheck(values.clone(), _ArrivesNextStep(steps), check)  # type: ignore[arg-type]
+        )
+
+    local_moments = generic.local_moments
+
+    def out_of_memory_on_replica_1_at_step_1(input: torch.Tensor, valid: Any = None) -> Any:
+        if steps[0] == 1 and input.shape[0] == 3:
+            raise MemoryError("simulated: out of memory on replica 1")
+        return local_moments(input, valid)
+
+    def cpu_parallel_apply(self: Any, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
+        results, errors = in_threads(lambda i: replicas[i](*inputs[i]), len(replicas))
+        for error in errors:
+            if error is not None:
+                raise error
+        return results
+
+    monkeypatch.setattr(_protocol, "resolve_check_mode", lambda mode, device: "deferred")
+    monkeypatch.setattr(_protocol, "defer_check", defer_check)
+    monkeypatch.setattr(_protocol, "_pending", _protocol.collections.deque())
+    monkeypatch.setattr(generic, "local_moments", out_of_memory_on_replica_1_at_step_1)
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", cpu_parallel_apply)
+    model = nn.Sequential(SynchronizedBatchNorm1d(4), nn.ReLU(), SynchronizedBatchNorm1d(4))
+    data_parallel = DataParallelWithCallback(model)
+    failed = []
+    for step in range(4):
+        steps[0] = step
+        inputs = [(torch.randn(2, 4),), (torch.randn(3, 4),)]
+        try:
+            data_parallel.parallel_apply(replicate(model, 2), inputs, [{}, {}])
+        except (MemoryError, RuntimeError, ValueError):
+            failed.append(step)
+    assert failed == [1]  # before: [1, 2, 3], each step raising the last one's checks
+
+
+def test_a_failure_of_the_masters_sum_releases_the_others() -> None:
+    """The master replica sums the round's buffers; if that raises (out of memory, a buffer
+    it cannot read), the replicas waiting for the sum raise at once instead of waiting
+    for the rendezvous' timeout."""
+    from syncbn._replicas import ReplicaRendezvous
+
+    rendezvous = ReplicaRendezvous(timeout=20.0, layer="SynchronizedBatchNorm1d")
+    for copy_id in range(2):
+        rendezvous.register(copy_id)
+    finished: list[float] = [0.0, 0.0]
+
+    def exchange(copy_id: int) -> torch.Tensor:
+        start = time.monotonic()
+        # replica 1's buffer is one the master cannot copy from (a meta tensor has no data)
+        buffer = torch.zeros(5, dtype=torch.float64, device="meta" if copy_id else "cpu")
+        try:
+            return rendezvous.exchange(copy_id, "backward", 0, buffer)
+        finally:
+            finished[copy_id] = time.monotonic() - start
+
+    _, errors = in_threads(exchange, 2)
+    assert errors[0] is not None and errors[1] is not None
+    assert "because replica 0 raised" in str(errors[1])
+    assert max(finished) < 10.0, finished  # not the 20 s timeout
 
 
 def test_global_batch_of_one_value_raises_like_torch_on_every_replica() -> None:

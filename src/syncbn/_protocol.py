@@ -53,6 +53,7 @@ __all__ = [
     "count_slot",
     "defer_check",
     "device_ok",
+    "discard_pending",
     "fingerprint",
     "forward_moments",
     "forward_size",
@@ -106,7 +107,8 @@ def _others_layer(header: Header, world_size: int, own: int) -> str:
     rest, square_rest = header.fingerprint_sum - own, header.fingerprint_square_sum - own * own
     if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
         return "a different layer"
-    names = sorted(_fingerprinted.get(int(rest / others), ()))
+    # a copy: another thread may register a fingerprint meanwhile
+    names = sorted(set(_fingerprinted.get(int(rest / others), ())))
     if not names:
         return "a different layer"
     return f"SyncBatchNorm layer {' or '.join(names)}"
@@ -411,6 +413,19 @@ def defer_check(
         ready.record(torch.cuda.current_stream(buffer.device))
         values = host
     _pending.append(_PendingCheck(values, ready, check))
+
+
+def discard_pending(participants: str) -> None:
+    """Forget the deferred checks of collectives among ``participants`` (``"replicas"``).
+
+    For a step that failed and whose error has been raised: the headers its collectives
+    deferred (error flags included) describe that failure, and raising them again at the
+    next step would fail that step too, and the next.
+    """
+    with _pending_lock:
+        kept = [pending for pending in _pending if pending.check.participants != participants]
+        _pending.clear()
+        _pending.extend(kept)
 
 
 def raise_deferred(wait: bool = False, device: torch.device | None = None) -> None:

@@ -103,9 +103,15 @@ class ReplicaRendezvous:
             if remaining <= 0:
                 missing = sorted(self._copies - self._rounds[key].buffers.keys())
                 waiting_for = f"replica(s) {missing}" if missing else "the master replica"
+                # in backward, an error outside the synchronized layers (an out-of-memory
+                # error in a convolution's backward) stops one device's autograd thread
+                # without a word to the others, which then wait here until the timeout
+                raised = (
+                    " or one of them raised elsewhere in backward" if phase == "backward" else ""
+                )
                 self._failure = (
                     f"replica {copy_id} timed out after {self.timeout:g} s in {phase} (call "
-                    f"{call_index}) waiting for {waiting_for}; {_SAME_CALLS_RULE}"
+                    f"{call_index}) waiting for {waiting_for}; {_SAME_CALLS_RULE}{raised}"
                 )
                 self._cond.notify_all()
                 raise RuntimeError(f"{self.layer} {self._failure}")
@@ -133,15 +139,11 @@ class ReplicaRendezvous:
             if is_master:
                 self._wait(copy_id, lambda: len(round_.buffers) == len(self._copies), key, deadline)
         if is_master:
-            # Sum outside the lock, in copy order (deterministic), on the master's device.
-            total = buffer.clone()
-            for other_id in sorted(round_.buffers):
-                if other_id != copy_id:
-                    total.add_(round_.buffers[other_id].to(buffer.device))
-            results = {
-                other_id: total if other_id == copy_id else total.to(other.device, copy=True)
-                for other_id, other in round_.buffers.items()
-            }
+            try:
+                results = self._sum(copy_id, round_.buffers)
+            except BaseException as error:
+                self.abort(copy_id, error)  # the others wait for this sum: release them
+                raise
             with self._cond:
                 round_.results = results
                 self._cond.notify_all()
@@ -152,6 +154,20 @@ class ReplicaRendezvous:
             if round_.collected == len(self._copies):
                 del self._rounds[key]
         return result
+
+    @staticmethod
+    def _sum(master_id: int, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The master's sum of a round's buffers, in copy order (deterministic), on the
+        master's device; then moved to every copy's device."""
+        master = buffers[master_id]
+        total = master.clone()
+        for other_id in sorted(buffers):
+            if other_id != master_id:
+                total.add_(buffers[other_id].to(master.device))
+        return {
+            other_id: total if other_id == master_id else total.to(other.device, copy=True)
+            for other_id, other in buffers.items()
+        }
 
 
 @dataclass(frozen=True)

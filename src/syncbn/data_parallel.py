@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from syncbn import _protocol
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
 from syncbn._compiled import leaf_call_when_fx_traced
 from syncbn._conversion import batchnorm_twin
@@ -352,7 +353,13 @@ class DataParallelWithCallback(nn.DataParallel):
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
     ) -> list[Any]:
-        return super().parallel_apply(_fail_fast(replicas), inputs, kwargs)
+        try:
+            return super().parallel_apply(_fail_fast(replicas), inputs, kwargs)
+        except BaseException:
+            # every replica has stopped, and the step's error is raised: the checks that
+            # its exchanges deferred (on GPUs) would fail the next step again, and the next
+            _protocol.discard_pending("replicas")
+            raise
 
 
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
