@@ -306,6 +306,50 @@ def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: st
             assert kind == "ValueError" and "Expected more than 1 value per channel" in message
 
 
+def _caught_failure_then_training(rank: int, world_size: int, where: str) -> list[str]:
+    """Four steps of three deferred-check layers; at step 1 rank 1 fails (an input the
+    second layer refuses, or out of memory in the last layer's backward) and both ranks
+    catch it. What each step ended with."""
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(3)]))
+    for layer in model:
+        layer.check_mode = "deferred"
+    backward_reduce = syncbn._kernels.generic.backward_reduce
+    step = 0
+
+    def out_of_memory_on_rank_1(*args: Any) -> Any:
+        if where == "backward" and step == 1 and rank == 1:
+            raise MemoryError("simulated: out of memory in backward")
+        return backward_reduce(*args)
+
+    syncbn._kernels.generic.backward_reduce = out_of_memory_on_rank_1  # type: ignore[assignment]
+    ended = []
+    try:
+        for step in range(4):
+            x = torch.randn(5, 4)
+            try:
+                hidden = model[0](x)
+                if where == "forward" and step == 1 and rank == 1:
+                    hidden = hidden.double()  # the next layer refuses it
+                model[2](model[1](hidden)).square().sum().backward()
+                ended.append("ok")
+            except (MemoryError, RuntimeError) as error:
+                ended.append(type(error).__name__)
+    finally:
+        syncbn._kernels.generic.backward_reduce = backward_reduce  # type: ignore[assignment]
+    return ended
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_deferred_checks_recover_after_a_caught_failure(pool2: WorkerPool, where: str) -> None:
+    """A rank that learns of another rank's failure from a deferred check raises before its
+    next collective, without joining it: the failing rank has left the step already, and
+    joining would pair every later collective with the wrong call (the step after a caught
+    error then never succeeded, or mismatched sizes aborted both processes)."""
+    for rank, ended in enumerate(pool2.run(_caught_failure_then_training, where, timeout=60.0)):
+        assert ended[0] == "ok" and ended[2:] == ["ok", "ok"], (rank, ended)
+        assert ended[1] != "ok", (rank, ended)
+
+
 class _EventThatMustNotBeQueried:
     def query(self) -> bool:
         raise AssertionError("a CUDA event was queried")

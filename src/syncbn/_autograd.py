@@ -331,7 +331,15 @@ class GlobalMoments(NamedTuple):
 
 
 def resolve_mode(options: TrainOptions, device: torch.device) -> str:
-    """This call's check mode; first raises a deferred problem of an earlier call, if any."""
+    """This call's check mode; first raises a deferred problem of an earlier call, if any.
+
+    Called before a call's collective and outside :class:`join_on_error`: the problem is
+    that of an earlier collective, which the other ranks saw too (or whose rank that
+    failed has left the step already), so they stop by themselves. Joining this call's
+    collective with the error flag would meet no one there, and pair this rank's later
+    collectives with the wrong calls of the others (after a caught error, training
+    would never recover, or a size mismatch would abort the processes).
+    """
     mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     if mode == "deferred":
         _protocol.raise_deferred(device=device)  # a problem of an earlier call, now arrived
@@ -466,8 +474,9 @@ def forward_train(
     num_channels = options.layer.num_features
     kernels = kernels_for(input.device)
     valid = None
+    # outside join_on_error: see resolve_mode
+    mode = resolve_mode(options, device)
     with join_on_error(options, "forward", device):
-        mode = resolve_mode(options, device)
         parameters = (weight, bias, running_mean, running_var)
         problem = input_problem(input, num_channels, device, parameters=parameters)
         if problem is None and mask is not None:
@@ -541,6 +550,8 @@ def backward_train(
     need_input, need_weight, need_bias = needs_grad
     mean, var, _ = saved.unbind()
     kernels = kernels_for(input.device)
+    if need_input:  # before the collective, as in forward (see resolve_mode)
+        resolve_mode(options, saved.device)
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if valid is not None:
             grad_output = kernels.zero_padded(grad_output, valid)

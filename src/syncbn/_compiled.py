@@ -213,8 +213,8 @@ def _sync_moments(
     num_features = (moments.numel() - 1) // 2
     options = _options(site_key, group_name, num_features, momentum, backward=False)
     device = moments.device
+    mode = resolve_mode(options, device)  # outside join_on_error: see there
     with join_on_error(options, "forward", device):
-        mode = resolve_mode(options, device)
         expected = options.layer.num_features
         if num_features != expected:
             raise ValueError(
@@ -250,6 +250,7 @@ def _sync_moments_backward(
     num_features = (grad_moments.numel() - 1) // 2
     options = _options(site_key, group_name, num_features, None, backward=True)
     device = grad_moments.device
+    resolve_mode(options, device)  # a deferred problem, before the collective (see there)
     with join_on_error(options, "backward", device):
         # [sum(x) (C), sum(x**2) (C)]'s gradients, in the order of a backward buffer
         buffer = _protocol.pack_backward_sums(grad_moments[1:], options.layer.fingerprint)
