@@ -310,8 +310,9 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
     """Four steps of three deferred-check layers; at step 1 rank 1 fails (an input the
     second layer refuses, or out of memory in the last layer's backward) and both ranks
     catch it. What each step ended with."""
-    model = syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(3)]))
-    for layer in model:
+    converted = syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(3)]))
+    layers = list(converted.children())
+    for layer in layers:
         layer.check_mode = "deferred"
     backward_reduce = syncbn._kernels.generic.backward_reduce
     step = 0
@@ -327,10 +328,10 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
         for step in range(4):
             x = torch.randn(5, 4)
             try:
-                hidden = model[0](x)
+                hidden = layers[0](x)
                 if where == "forward" and step == 1 and rank == 1:
                     hidden = hidden.double()  # the next layer refuses it
-                model[2](model[1](hidden)).square().sum().backward()
+                layers[2](layers[1](hidden)).square().sum().backward()
                 ended.append("ok")
             except (MemoryError, RuntimeError) as error:
                 ended.append(type(error).__name__)
