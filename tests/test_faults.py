@@ -313,6 +313,7 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
     converted = syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(3)]))
     layers = list(converted.children())
     for layer in layers:
+        assert isinstance(layer, syncbn.SyncBatchNorm)
         layer.check_mode = "deferred"
     backward_reduce = syncbn._kernels.generic.backward_reduce
     step = 0
