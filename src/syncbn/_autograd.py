@@ -462,7 +462,9 @@ def forward_train(
 
     Any exception before the collective (invalid input or mask, an error in the local
     maths) joins the collective with the error flag and is re-raised, so that the other
-    ranks raise promptly instead of waiting for the process group's timeout.
+    ranks raise promptly instead of waiting for the process group's timeout. A deferred
+    problem of an earlier call is raised before that, without joining (see
+    :func:`resolve_mode`).
 
     Args:
         mask: bool, True at the valid positions (the input's shape without the channel
