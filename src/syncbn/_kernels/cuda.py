@@ -55,13 +55,12 @@ def _kernel_count(count: int | torch.Tensor, device: torch.device) -> torch.Tens
     by the host) is always split, up to ``k * (2**31 - 1)`` (3.4e10) values per channel; a
     number only when it has to be.
     """
-    if isinstance(count, torch.Tensor):
-        parts = (count + _part_offsets(device)).div_(_COUNT_PARTS, rounding_mode="floor")
-        return parts.to(torch.int32)
-    if count <= _INT32_MAX:
-        return torch.full((1,), count, dtype=torch.int32, device=device)  # no host copy
-    parts = torch.full((), count, dtype=torch.float64, device=device) + _part_offsets(device)
-    return parts.div_(_COUNT_PARTS, rounding_mode="floor").to(torch.int32)
+    if not isinstance(count, torch.Tensor):
+        if count <= _INT32_MAX:
+            return torch.full((1,), count, dtype=torch.int32, device=device)  # no host copy
+        count = torch.full((), count, dtype=torch.float64, device=device)
+    parts = (count + _part_offsets(device)).div_(_COUNT_PARTS, rounding_mode="floor")
+    return parts.to(torch.int32)
 
 
 def _dense_format(tensor: torch.Tensor) -> torch.memory_format | None:
