@@ -63,6 +63,9 @@ class _TwoIdenticalRanks:
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
         return buffer.mul_(2)
 
+    def dissolved_test(self) -> None:
+        return None
+
 
 ROUNDS = 5
 

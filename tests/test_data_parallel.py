@@ -311,7 +311,9 @@ def test_a_failed_step_does_not_fail_the_steps_after_it(monkeypatch: pytest.Monk
 
     steps = [0]
 
-    def defer_check(buffer: torch.Tensor, check: Any, values: Any = None) -> None:
+    def defer_check(
+        buffer: torch.Tensor, check: Any, values: Any = None, dissolved: Any = None
+    ) -> None:
         values = _protocol.header_values(buffer, forward=check.phase == "forward")
         _protocol._pending.append(
             _protocol._PendingCheck(values.clone(), _ArrivesNextStep(steps), check)  # type: ignore[arg-type]

@@ -8,18 +8,20 @@ inside the process group's timeout; a global count of 0 behaves like torch.
 from __future__ import annotations
 
 import collections
+import datetime
 import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _harness import PROCESS_GROUP_TIMEOUT, WorkerPool, outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
-from syncbn import _protocol
+from syncbn import _protocol, distributed
 from syncbn._kernels import generic
 
 #: the pool's process-group timeout: a rank left waiting fails only after it
@@ -350,6 +352,44 @@ def test_deferred_checks_recover_after_a_caught_failure(pool2: WorkerPool, where
     for rank, ended in enumerate(pool2.run(_caught_failure_then_training, where, timeout=60.0)):
         assert ended[0] == "ok" and ended[2:] == ["ok", "ok"], (rank, ended)
         assert ended[1] != "ok", (rank, ended)
+
+
+def _failure_then_new_group(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0 fails at the last synchronized call on one group, which is then destroyed;
+    then a layer on a new group of the same ranks trains. What each call ended with."""
+    timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT)
+    ranks = list(range(world_size))
+    old_group = dist.new_group(ranks, timeout=timeout)
+    first, second = syncbn.SyncBatchNorm(3, process_group=old_group), syncbn.SyncBatchNorm(3)
+    second.process_group = old_group
+    for layer in (first, second):
+        layer.check_mode = "deferred"
+    x = torch.randn(4, 3)
+
+    def last_call_fails_on_rank_0() -> None:
+        hidden = first(x)
+        second(hidden.double() if rank == 0 else hidden)  # rank 0's input is refused
+
+    failed = outcome(last_call_fails_on_rank_0)  # the others' deferred check holds the flag
+    dist.destroy_process_group(old_group)  # the layers still hold the group object
+    new_group = dist.new_group(ranks, timeout=timeout)
+    fresh = syncbn.SyncBatchNorm(3, process_group=new_group)
+    fresh.check_mode = "deferred"
+    trained = outcome(lambda: fresh(x).sum().backward())
+    dist.destroy_process_group(new_group)
+    tests = [distributed.destroyed_test(group) for group in (old_group, new_group, None)]
+    return {"failed": failed, "trained": trained, "destroyed": [test() for test in tests]}
+
+
+def test_deferred_checks_of_a_destroyed_group_do_not_reach_a_new_one(pool2: WorkerPool) -> None:
+    """A failure that a deferred check has not raised when its process group is destroyed
+    is never raised in a later group's call (before, that rank alone raised there, and the
+    other waited in the new group's collective until the timeout)."""
+    failed, other = pool2.run(_failure_then_new_group, timeout=60.0)
+    assert failed["failed"][0] == "RuntimeError", failed  # the refused dtype, raised at once
+    assert other["failed"] == ("ok", ""), other  # deferred: not raised before the destroy
+    assert failed["trained"] == other["trained"] == ("ok", ""), (failed, other)
+    assert failed["destroyed"] == other["destroyed"] == [True, True, False]
 
 
 class _EventThatMustNotBeQueried:

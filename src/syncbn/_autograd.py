@@ -15,6 +15,7 @@ and the running statistics are updated with device-side factors.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -155,6 +156,11 @@ class Reducer(Protocol):
         ``"forward"`` or ``"backward"``)."""
         ...
 
+    def dissolved_test(self) -> Callable[[], bool] | None:
+        """A test of whether these participants have dissolved since (a destroyed process
+        group), kept by deferred checks; ``None`` if they cannot."""
+        ...
+
 
 class ProcessGroupReducer(NamedTuple):
     """The :class:`Reducer` of a process group: one in-place ``all_reduce``."""
@@ -166,6 +172,9 @@ class ProcessGroupReducer(NamedTuple):
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
         distributed.check_device_backend(buffer.device, self.group)
         return distributed.all_reduce_sum_(buffer, self.group)
+
+    def dissolved_test(self) -> Callable[[], bool]:
+        return distributed.destroyed_test(self.group)
 
 
 class LocalReducer(NamedTuple):
@@ -180,6 +189,9 @@ class LocalReducer(NamedTuple):
 
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
         return buffer
+
+    def dissolved_test(self) -> None:
+        return None
 
 
 def reducer_for(group: dist.ProcessGroup | None, force: bool = False) -> Reducer:
@@ -398,7 +410,7 @@ def reduce_forward(
             factor = 1.0 / (float(num_batches_tracked) + 1.0)
         return ReducedForward(buffer, global_count, factor, None)
     header = _protocol.header_values(buffer)
-    _protocol.defer_check(buffer, check, header)
+    _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
     count = _protocol.count_slot(buffer)
     # a call whose checks fail moves no running statistics and counts no batch
     ok = _protocol.device_ok(header, options.reducer.world_size, options.layer.fingerprint)
@@ -444,7 +456,7 @@ def synchronize_grads(
     if _protocol.resolve_check_mode(options.layer.check_mode, device) == "immediate":
         _protocol.check_now(buffer, check)
     else:
-        _protocol.defer_check(buffer, check)
+        _protocol.defer_check(buffer, check, dissolved=options.reducer.dissolved_test())
     return _protocol.backward_totals(buffer)
 
 

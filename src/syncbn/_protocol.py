@@ -39,6 +39,7 @@ import collections
 import functools
 import threading
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -379,6 +380,9 @@ class _PendingCheck(NamedTuple):
     values: torch.Tensor  # host copy of the header, being written
     ready: torch.cuda.Event | None  # recorded after the copy (None: ready at once)
     check: HeaderCheck
+    #: whether the participants have dissolved since (a destroyed process group): the
+    #: check is then dropped unread; ``None``: they cannot (replicas, a process alone)
+    dissolved: Callable[[], bool] | None = None
 
 
 _pending: collections.deque[_PendingCheck] = collections.deque()
@@ -390,7 +394,10 @@ _pending_lock = threading.Lock()
 
 
 def defer_check(
-    buffer: torch.Tensor, check: HeaderCheck, values: torch.Tensor | None = None
+    buffer: torch.Tensor,
+    check: HeaderCheck,
+    values: torch.Tensor | None = None,
+    dissolved: Callable[[], bool] | None = None,
 ) -> None:
     """Start copying the header to the host without waiting; :func:`raise_deferred` checks it.
 
@@ -398,6 +405,9 @@ def defer_check(
 
     Args:
         values: the buffer's :func:`header_values`, if the caller has them already.
+        dissolved: a test of whether the collective's participants have dissolved since
+            (a destroyed process group), if they can: the check is then dropped unread,
+            and never raises in the call of participants that met later.
     """
     if _is_capturing(buffer.device):
         return
@@ -412,7 +422,7 @@ def defer_check(
         # the current device (a bare record() would mark the current device's stream)
         ready.record(torch.cuda.current_stream(buffer.device))
         values = host
-    _pending.append(_PendingCheck(values, ready, check))
+    _pending.append(_PendingCheck(values, ready, check, dissolved))
 
 
 def discard_pending(participants: str) -> None:
@@ -432,7 +442,8 @@ def raise_deferred(wait: bool = False, device: torch.device | None = None) -> No
     """Raise the first problem among the deferred checks whose header has arrived.
 
     Checks are inspected in call order; one whose copy has not finished stops the scan
-    (unless ``wait``, which waits for it). Inspected checks are forgotten.
+    (unless ``wait``, which waits for it). Inspected checks are forgotten, and so are,
+    unread, those of a process group destroyed since.
 
     Args:
         device: the calling layer's device, whose stream may be capturing a CUDA graph
@@ -451,7 +462,10 @@ def _first_arrived_problem(wait: bool) -> Exception | None:
     """:func:`raise_deferred`'s scan (under :data:`_pending_lock`): the first problem among
     the checks whose header has arrived, if any; inspected checks are forgotten."""
     while _pending:
-        values, ready, check = _pending[0]
+        values, ready, check, dissolved = _pending[0]
+        if dissolved is not None and dissolved():
+            _pending.popleft()  # its participants are gone, and so is its failure
+            continue
         if ready is not None:
             if wait:
                 ready.synchronize()

@@ -186,6 +186,9 @@ class ReplicaReducer:
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
         return self.rendezvous.exchange(self.copy_id, phase, self.call_index, buffer)
 
+    def dissolved_test(self) -> None:
+        return None  # a failed step's checks are discarded (DataParallelWithCallback)
+
 
 def joined_rendezvous(ctx: Any, copy_id: int, timeout: float, layer: str) -> ReplicaRendezvous:
     """Join, as ``copy_id``, the rendezvous that the copies of one layer keep on their ``ctx``.

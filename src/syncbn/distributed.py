@@ -9,6 +9,8 @@ created.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ __all__ = [
     "all_reduce_sum_",
     "check_device_backend",
     "create_process_group",
+    "destroyed_test",
     "get_rank",
     "get_world_size",
     "group_from_name",
@@ -63,6 +66,41 @@ def group_from_name(group_name: str) -> dist.ProcessGroup | None:
         if name == group_name:
             return group
     raise RuntimeError(f"no process group named {group_name!r} exists in this process")
+
+
+#: per process group, its :func:`destroyed_test` (built once; the group is held weakly)
+_destroyed_tests: weakref.WeakKeyDictionary[dist.ProcessGroup, Callable[[], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _never_destroyed() -> bool:
+    return False
+
+
+def destroyed_test(group: dist.ProcessGroup | None = None) -> Callable[[], bool]:
+    """A test of whether ``group`` (the current default group if ``None``) has been destroyed
+    since, by ``destroy_process_group``; the test holds no reference to the group.
+
+    A check that waits for a collective's result keeps one, so that a destroyed group's
+    problem is never raised in a later group's call (after ``destroy_process_group`` and
+    ``init_process_group`` again, in the same process).
+    """
+    if group is None:
+        group = dist.group.WORLD if is_distributed() else None
+        if group is None:
+            return _never_destroyed
+    test = _destroyed_tests.get(group)
+    if test is None:
+        alive = weakref.ref(group)
+
+        def destroyed() -> bool:
+            current = alive()
+            # a destroyed group is unregistered at once, but lives on while referenced
+            return current is None or current not in dist.distributed_c10d._world.pg_names
+
+        test = _destroyed_tests[group] = destroyed
+    return test
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
