@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 
 import syncbn
 from syncbn import _conversion
+from syncbn.data_parallel import SynchronizedBatchNorm2d, convert_model
 
 
 class BatchNormAct2d(nn.BatchNorm2d):
@@ -412,6 +413,7 @@ import importlib.util, os, warnings
 from torch import nn
 import syncbn
 from syncbn import _conversion
+from syncbn.data_parallel import SynchronizedBatchNorm2d, convert_model
 
 for value in _conversion.BUILT_IN_CONVERTERS.values():  # their modules are in the tree
     origin = importlib.util.find_spec(value.partition(":")[0]).origin
@@ -540,3 +542,119 @@ def test_an_fx_traced_model_still_synchronizes(pool2: WorkerPool) -> None:
     eager(torch.cat([torch.full((1 + r, 3, 2, 2), float(r)) for r in range(2)]))
     for running_mean in pool2.run(_fx_traced_training):
         torch.testing.assert_close(running_mean, eager[1].running_mean)
+
+
+def _held_twice() -> nn.Sequential:
+    shared = nn.BatchNorm2d(3)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), shared, nn.Sequential(nn.ReLU(), shared))
+    return model
+
+
+def test_a_layer_held_in_several_places_becomes_one_layer_in_all() -> None:
+    """A BatchNorm called twice (held in two places) is converted in both, as one layer
+    (torch's conversion and the first walk converted only the first place; after ``.to()``
+    the two then drifted apart); revert and DataParallel's conversion do the same."""
+    model = _held_twice()
+    weight = model[1].weight
+    syncbn.convert_sync_batchnorm(model)
+    inner = cast(nn.Sequential, model[2])
+    assert type(model[1]) is syncbn.SyncBatchNorm and inner[1] is model[1]
+    assert model[1].weight is weight and model[1].layer_name == "1"  # the first path
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[1]) is nn.BatchNorm2d and inner[1] is model[1]
+    assert model[1].weight is weight
+    model = _held_twice()
+    convert_model(model)
+    inner = cast(nn.Sequential, model[2])
+    assert type(model[1]) is SynchronizedBatchNorm2d and inner[1] is model[1]
+
+
+def test_a_module_held_in_several_places_is_walked_once() -> None:
+    """A shared block's layers keep the name of its first path."""
+    block = nn.Sequential(nn.BatchNorm1d(2))
+    model = nn.Sequential(block, block)
+    syncbn.convert_sync_batchnorm(model)
+    assert cast(syncbn.SyncBatchNorm, block[0]).layer_name == "0.0"
+
+
+def test_a_batchnorm_with_computed_parameters_is_left_with_a_warning() -> None:
+    """A parametrized weight lives in a child module, not in the layer: a converted layer
+    kept the meta-device weight of its constructor, and its forward failed."""
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+    before = model.state_dict()
+    with pytest.warns(UserWarning, match=r"1 BatchNorm layer\(s\) unconverted: '0' .*computed"):
+        syncbn.convert_sync_batchnorm(model)
+    assert type(model[1]) is syncbn.SyncBatchNorm
+    assert type(model[0]).__name__ == "ParametrizedBatchNorm1d"  # left as it was
+    assert model.state_dict().keys() == before.keys()
+    model(torch.randn(4, 3))
+    model = nn.Sequential(nn.BatchNorm1d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "bias", nn.Identity())
+    with pytest.warns(UserWarning, match=r"convert_model left '0' .*computed"):
+        convert_model(model)
+    assert type(model[0]).__name__ == "ParametrizedBatchNorm1d"
+
+
+class CountingBatchNorm1d(nn.BatchNorm1d):
+    """A subclass with BatchNorm's forward and buffers of its own."""
+
+    def __init__(self, num_features: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_features, *args, **kwargs)
+        self.register_buffer("seen", torch.tensor(7, device=kwargs.get("device")))
+        self.register_buffer(
+            "scratch", torch.zeros(2, device=kwargs.get("device")), persistent=False
+        )
+
+
+def test_buffers_a_subclass_adds_are_kept_both_ways() -> None:
+    """Its buffers stay registered (the conversion made them plain attributes: the
+    state_dict lost their keys, and revert built new ones)."""
+    model = nn.Sequential(CountingBatchNorm1d(3))
+    seen, scratch = model[0].seen, model[0].scratch
+    keys = model.state_dict().keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+    assert type(model[0]) is syncbn.SyncBatchNorm
+    assert model.state_dict().keys() == keys and model[0].seen is seen
+    assert dict(model[0].named_buffers())["scratch"] is scratch  # registered, not persistent
+    checkpoint = nn.Sequential(CountingBatchNorm1d(3)).state_dict()
+    checkpoint["0.seen"] = torch.tensor(9)
+    model.load_state_dict(checkpoint)  # strict: every key, none unexpected
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is CountingBatchNorm1d and model.state_dict().keys() == keys
+    assert model[0].seen is seen and int(seen) == 9 and model[0].scratch is scratch
+
+
+def test_converting_again_keeps_the_layers_settings() -> None:
+    """A converted model converted again (a framework converting what the user converted)
+    keeps ``check_layer_order`` unless it is given."""
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    syncbn.convert_sync_batchnorm(model, check_layer_order=False)
+    syncbn.convert_sync_batchnorm(model)
+    syncbn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert model[0].check_layer_order is False
+    syncbn.convert_sync_batchnorm(model, check_layer_order=True)
+    assert model[0].check_layer_order is True
+    fresh = nn.Sequential(nn.BatchNorm1d(2))
+    syncbn.convert_sync_batchnorm(fresh)
+    assert fresh[0].check_layer_order is True
+
+
+def test_a_subclass_elsewhere_finds_the_converters_of_its_base_class_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user's subclass of a layer whose package offers converters (timm's BatchNormAct2d)
+    is converted whether or not a layer of the base class came first."""
+    package = BatchNormAct2d.__module__.partition(".")[0]
+    group = _conversion.ENTRY_POINT_GROUP
+    offered = [metadata.EntryPoint(package, f"{__name__}:_register_act_converter", group)]
+    monkeypatch.setattr(_conversion, "_entry_points", lambda: offered)
+    _register_act_converter.calls = 0  # type: ignore[attr-defined]
+    user_class = type("UserAct", (BatchNormAct2d,), {"__module__": "user_code.layers"})
+    model = nn.Sequential(user_class(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+    assert type(model[0]) is SyncAct and _register_act_converter.calls == 1  # type: ignore[attr-defined]

@@ -486,7 +486,7 @@ def test_convert_model_shares_state_and_keeps_behaviour() -> None:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
 
-    with pytest.warns(UserWarning, match=r"left 'act' \(ActBatchNorm2d, a subclass of Batch"):
+    with pytest.warns(UserWarning, match=r"left 'act' \(ActBatchNorm2d\): it overrides forward"):
         converted = convert_model(nn.DataParallel(model))
 
     assert isinstance(converted, DataParallelWithCallback)

@@ -166,6 +166,27 @@ def test_timm_sync_batchnorm_act_converts_and_reverts_to_itself() -> None:
     assert type(model[0]) is SyncBatchNormAct and model[0].act is act
 
 
+class UserBatchNormAct2d(BatchNormAct2d):  # type: ignore[misc,valid-type]
+    """A user's subclass of timm's layer that keeps its forward (and so its converter)."""
+
+
+class UserSyncBatchNormAct(SyncBatchNormAct):  # type: ignore[misc,valid-type]
+    """The same for timm's own synchronized layer."""
+
+
+def test_subclasses_of_timm_layers_revert_to_themselves() -> None:
+    """Revert gave back timm's base class, not the subclass the layer was converted from."""
+    model = nn.Sequential(
+        UserBatchNormAct2d(4, act_layer="silu"), UserSyncBatchNormAct(4), BatchNormAct2d(4)
+    )
+    act = model[0].act
+    _convert_quietly(model)
+    assert [type(m) for m in model] == [SyncBatchNormAct2d] * 3
+    syncbn.revert_sync_batchnorm(model)
+    assert [type(m) for m in model] == [UserBatchNormAct2d, UserSyncBatchNormAct, BatchNormAct2d]
+    assert model[0].act is act
+
+
 _FRESH_INTERPRETER = textwrap.dedent(
     """
     import sys, warnings

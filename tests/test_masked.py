@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -273,6 +273,59 @@ def test_eval_uses_the_running_statistics_and_zeroes_padded_positions() -> None:
     )
     torch.testing.assert_close(_valid_rows(y, mask), _valid_rows(plain, mask))
     assert bool((_valid_rows(y, ~mask) == 0).all())
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "module",
+        "functional",
+        pytest.param(
+            "compiled",
+            marks=pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4"),
+        ),
+    ],
+)
+def test_eval_gradients_ignore_whatever_padded_positions_hold(form: str) -> None:
+    """In eval mode too nothing at a padded position reaches a gradient: batch norm's weight
+    gradient sums ``dy * xhat`` over every position, and a NaN or inf there made it NaN
+    (``0 * NaN``) when only the output was zeroed."""
+    layer, x, mask = _eval_layer_and_batch()
+    weight = cast(torch.Tensor, layer.weight)
+    padded = ~mask.unsqueeze(1)
+    grad = torch.randn_like(x).masked_fill(padded, float("nan"))
+    gradients = []
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for fill in (0.0, float("nan"), float("inf")):
+        held = x.masked_fill(padded, fill).requires_grad_()
+        if form != "functional":
+            y = (compiled if form == "compiled" else layer)(held, mask)
+        else:
+            y = sync_batch_norm(
+                held, layer.running_mean, layer.running_var, weight, layer.bias, mask=mask
+            )
+        assert bool((_valid_rows(y, ~mask) == 0).all())
+        gradients.append(torch.autograd.grad(y, (held, weight, layer.bias), grad))
+    for other in gradients[1:]:
+        for first, got in zip(gradients[0], other):
+            assert bool(got.isfinite().all())
+            torch.testing.assert_close(got, first, rtol=0, atol=0)
+    rows = _valid_rows(x, mask).requires_grad_()
+    plain = nn.functional.batch_norm(
+        rows, layer.running_mean, layer.running_var, weight, layer.bias, False, 0.0, layer.eps
+    )
+    expected = torch.autograd.grad(plain, (rows, weight, layer.bias), _valid_rows(grad, mask))
+    torch.testing.assert_close(_valid_rows(gradients[0][0], mask), expected[0])
+    torch.testing.assert_close(gradients[0][1:], expected[1:])
+
+
+def test_the_functional_form_refuses_a_running_variance_without_a_mean() -> None:
+    """torch's check, on every path (a masked call took one alone and updated it)."""
+    x, mask = torch.randn(4, 3, 5), torch.rand(4, 5) < 0.5
+    for running_mean, running_var in ((None, torch.ones(3)), (torch.zeros(3), None)):
+        with pytest.raises(ValueError, match="must either both be None or neither be None"):
+            sync_batch_norm(x, running_mean, running_var, training=True, mask=mask)
 
 
 def test_eval_without_running_statistics_uses_the_valid_positions() -> None:

@@ -81,6 +81,14 @@ def test_recompute_statistics_without_process_group() -> None:
     torch.testing.assert_close(model[0].running_var, var, rtol=1e-12, atol=1e-12)
 
 
+def test_an_unmaterialised_lazy_layer_is_a_clear_error() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"lazy layer\(s\) \['1'\] are not materialised"):
+        syncbn.recompute_statistics(model, [torch.randn(2, 3, 4, 4)])
+    model(torch.randn(2, 3, 4, 4))  # materialised: a BatchNorm2d now
+    syncbn.recompute_statistics(model, [torch.randn(2, 3, 4, 4)])
+
+
 class _OneBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from syncbn import _stats
 from syncbn._kernels.generic import channel_view, first_valid_sample, output_offset
@@ -39,6 +40,7 @@ __all__ = [
     "Exchange",
     "ShiftedMoments",
     "batch_norm_train",
+    "batch_norm_valid",
     "computed_once",
     "keep_local",
     "mask_problem",
@@ -46,7 +48,6 @@ __all__ = [
     "pack_moments",
     "shifted_moments",
     "valid_positions",
-    "zero_padded",
 ]
 
 #: ``local moments -> (global moments, update)``: moments are ``(2 * C + 1,)`` float64
@@ -240,9 +241,26 @@ def batch_norm_train(
     return normalize(input, moments, mean, scale, bias)
 
 
-def zero_padded(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``output`` with zeros at the padded positions of ``mask`` (eval mode)."""
+def batch_norm_valid(
+    input: torch.Tensor,
+    mask: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """``torch.nn.functional.batch_norm`` with zeros at the padded positions of ``mask``
+    (eval mode, or training without a mask).
+
+    Zero in its input too, not only in its output: the weight gradient sums over every
+    position, and ``0 * NaN`` at a padded position would make it NaN.
+    """
     if mask is None:
-        return output
-    valid = _tested_per_element(valid_positions(mask, output), output.dtype)
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    valid = _tested_per_element(valid_positions(mask, input), input.dtype)
+    zeroed = torch.where(valid, input, 0.0)
+    output = F.batch_norm(zeroed, running_mean, running_var, weight, bias, training, momentum, eps)
     return torch.where(valid, output, 0.0)

@@ -26,6 +26,7 @@ __all__ = [
     "convert_modules",
     "converter_for",
     "register_converter",
+    "replace_modules",
     "share_state",
 ]
 
@@ -61,11 +62,19 @@ _LOADED_PACKAGES: set[str] = set()
 
 
 def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
-    """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode."""
+    """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode.
+
+    A buffer that ``target`` does not have (one a BatchNorm subclass adds) is registered
+    on it, persistent or not as on ``source``, so that ``state_dict`` keeps its key.
+    """
     for name, param in source.named_parameters(recurse=False):
         setattr(target, name, param)
     for name, buffer in source.named_buffers(recurse=False):
-        setattr(target, name, buffer)
+        if name in target._buffers:
+            setattr(target, name, buffer)
+        else:
+            persistent = name not in source._non_persistent_buffers_set
+            target.register_buffer(name, buffer, persistent=persistent)
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
@@ -174,13 +183,46 @@ def _registered_converter(cls: type[nn.Module]) -> Converter | None:
 
 
 def converter_for(cls: type[nn.Module]) -> Converter | None:
-    """The converter for ``cls``: registered, or loaded for its package (built in, entry point)."""
+    """The converter for ``cls``: registered, or loaded (built in, entry point) for the
+    package of ``cls`` or of one of its bases (a subclass of timm's layer in user code)."""
     converter = _registered_converter(cls)
-    package = cls.__module__.partition(".")[0]
-    if converter is None and package in sys.modules:
-        _load_converters(package)
-        converter = _registered_converter(cls)
-    return converter
+    if converter is not None:
+        return converter
+    for base in cls.__mro__:
+        package = base.__module__.partition(".")[0]
+        if package in sys.modules and package not in _LOADED_PACKAGES:
+            _load_converters(package)
+            converter = _registered_converter(cls)
+            if converter is not None:
+                return converter
+    return None
+
+
+def replace_modules(module: nn.Module, replace: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
+    """``module`` with each module ``m`` of its tree (itself included) replaced by
+    ``replace(m, path)``, top down; the children of ``m`` are added to what replaces it.
+
+    A module held in several places (one BatchNorm called twice) is replaced once, at
+    its first path in ``named_modules`` order, and its replacement takes every place.
+
+    Returns:
+        What replaces ``module``.
+    """
+    # id -> (the module, its replacement): the module is kept alive, so that its id is not
+    # reused by a module built during the walk
+    done: dict[int, tuple[nn.Module, nn.Module]] = {}
+
+    def visit(current: nn.Module, path: str) -> nn.Module:
+        if id(current) in done:
+            return done[id(current)][1]
+        result = replace(current, path)
+        done[id(current)] = (current, result)
+        for name, child in list(current._modules.items()):
+            if child is not None:
+                result.add_module(name, visit(child, f"{path}.{name}" if path else name))
+        return result
+
+    return visit(module, "")
 
 
 def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
@@ -188,12 +230,22 @@ def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
     return isinstance(module, _BatchNorm) and type(module).forward in plain_forwards
 
 
+def computed_parameters(module: nn.Module) -> bool:
+    """Whether an affine BatchNorm's weight or bias is computed, not a Parameter of its own
+    (``torch.nn.utils.parametrize``, ``weight_norm``): a converted layer would lose that."""
+    return bool(getattr(module, "affine", False)) and any(
+        module._parameters.get(name) is None for name in ("weight", "bias")
+    )
+
+
 class _Walk(NamedTuple):
     sync_class: type[Any]  # syncbn.SyncBatchNorm, which this module does not import
     process_group: dist.ProcessGroup | None
-    check_layer_order: bool
+    #: ``None``: true for new layers, unchanged for layers synchronized already
+    check_layer_order: bool | None
     unconverted: list[str]
     lazy: list[str]
+    computed: list[str]
 
 
 def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
@@ -203,6 +255,9 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
         return module
     if isinstance(module, LazyModuleMixin):  # a materialised one has become its cls_to_become
         walk.lazy.append(described)
+        return module
+    if computed_parameters(module):
+        walk.computed.append(described)
         return module
     group = walk.process_group
     if group is None:
@@ -232,14 +287,14 @@ def _convert(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     if isinstance(module, walk.sync_class):
         if walk.process_group is not None:
             module.process_group = walk.process_group
-        result = module
-    else:
-        result = _synchronized(module, path, walk)
+        if walk.check_layer_order is not None:
+            module.check_layer_order = walk.check_layer_order
+        module.layer_name = path
+        return module
+    result = _synchronized(module, path, walk)
     if isinstance(result, walk.sync_class):
         result.layer_name = path
-        result.check_layer_order = walk.check_layer_order
-    for name, child in module.named_children():
-        result.add_module(name, _convert(child, f"{path}.{name}" if path else name, walk))
+        result.check_layer_order = walk.check_layer_order is not False
     return result
 
 
@@ -252,14 +307,14 @@ def convert_modules(
     module: nn.Module,
     sync_class: type[Any],
     process_group: dist.ProcessGroup | None,
-    check_layer_order: bool,
+    check_layer_order: bool | None,
 ) -> nn.Module:
     """Replace the BatchNorm layers of ``module`` with ``sync_class`` layers (see convert.py).
 
     Warns, once per call, about the layers it had to leave unconverted.
     """
-    walk = _Walk(sync_class, process_group, check_layer_order, [], [])
-    result = _convert(module, "", walk)
+    walk = _Walk(sync_class, process_group, check_layer_order, [], [], [])
+    result = replace_modules(module, lambda current, path: _convert(current, path, walk))
     if walk.unconverted:
         warnings.warn(
             f"convert_sync_batchnorm left {len(walk.unconverted)} BatchNorm layer(s) "
@@ -267,6 +322,14 @@ def convert_modules(
             "converting it would drop what that forward adds, so they keep local (per-rank) "
             "statistics. Register a converter for the class with "
             "syncbn.register_converter(cls, to_sync, to_plain) to synchronize them.",
+            stacklevel=3,
+        )
+    if walk.computed:
+        warnings.warn(
+            f"convert_sync_batchnorm left {len(walk.computed)} BatchNorm layer(s) "
+            f"unconverted: {_listed(walk.computed)}. Their weight or bias is computed "
+            "(torch.nn.utils.parametrize, weight_norm), which a converted layer would lose, "
+            "so they keep local (per-rank) statistics. Convert before parametrizing.",
             stacklevel=3,
         )
     if walk.lazy:

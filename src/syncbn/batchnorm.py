@@ -233,8 +233,9 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             bn_training = True
         else:
             bn_training = False
-        output = F.batch_norm(
+        return _composite.batch_norm_valid(
             input,
+            mask,
             self.running_mean,
             self.running_var,
             self.weight,
@@ -243,7 +244,6 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             0.0,
             self.eps,
         )
-        return _composite.zero_padded(output, mask)
 
     def _local_training_forward(self, input: torch.Tensor) -> torch.Tensor:
         """Training without a group of several ranks: exactly torch's BatchNorm.
@@ -282,7 +282,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Like torch's, it builds
         :class:`SyncBatchNorm` layers whichever subclass it is called on.
         """
-        return _conversion.convert_modules(module, SyncBatchNorm, process_group, True)
+        return _conversion.convert_modules(module, SyncBatchNorm, process_group, None)
 
 
 def _synchronized_train(

@@ -9,7 +9,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn._conversion import batchnorm_twin, convert_modules, converter_for, register_converter
+from syncbn._conversion import (
+    batchnorm_twin,
+    convert_modules,
+    converter_for,
+    register_converter,
+    replace_modules,
+)
 from syncbn.batchnorm import SyncBatchNorm
 
 __all__ = [
@@ -57,7 +63,7 @@ class BatchNormNd(_BatchNorm):
 def convert_sync_batchnorm(
     module: nn.Module,
     process_group: dist.ProcessGroup | None = None,
-    check_layer_order: bool = True,
+    check_layer_order: bool | None = None,
 ) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` with :class:`syncbn.SyncBatchNorm`.
 
@@ -74,15 +80,22 @@ def convert_sync_batchnorm(
     ``BatchNormAct2d`` (:class:`syncbn.integrations.timm.SyncBatchNormAct2d`) the first
     time a model holds one. A subclass with its own ``forward`` and no converter is
     left unconverted, with one warning naming it: converting it would silently drop
-    what its ``forward`` adds. Unmaterialised lazy layers are left unconverted with a
-    warning too. Each converted layer remembers the class it replaced, for
-    :func:`revert_sync_batchnorm`.
+    what its ``forward`` adds. Unmaterialised lazy layers, and layers whose weight or
+    bias is computed (``torch.nn.utils.parametrize``, ``weight_norm``: convert before
+    parametrizing), are left unconverted with a warning too. A layer held in several
+    places (one BatchNorm called twice) becomes one SyncBatchNorm in all of them. Each
+    converted layer remembers the class it replaced, for :func:`revert_sync_batchnorm`.
+    Hooks registered on a BatchNorm layer are not carried over, as with torch's
+    conversion. Converting a converted model again keeps its layers, and their settings
+    unless given here.
 
     Args:
         module: the model (or a single BatchNorm layer) to convert.
         process_group: group to synchronize over; the default group if ``None``.
             Default: ``None``
-        check_layer_order: set each layer's ``check_layer_order``. Default: ``True``
+        check_layer_order: set each layer's ``check_layer_order``; ``None`` sets it to
+            ``True`` on new layers and leaves layers synchronized already as they are.
+            Default: ``None``
 
     Returns:
         The converted module: ``module`` itself, modified in place, unless ``module``
@@ -133,15 +146,12 @@ def _keeps_own_forward(layer: SyncBatchNorm) -> bool:
 
 
 def _revert(module: nn.Module, path: str, kept: list[str]) -> nn.Module:
-    result = module
-    if isinstance(module, SyncBatchNorm):
-        if _keeps_own_forward(module):
-            kept.append(f"'{path or type(module).__name__}' ({type(module).__qualname__})")
-        else:
-            result = _plain_twin(module, path)
-    for name, child in module.named_children():
-        result.add_module(name, _revert(child, f"{path}.{name}" if path else name, kept))
-    return result
+    if not isinstance(module, SyncBatchNorm):
+        return module
+    if _keeps_own_forward(module):
+        kept.append(f"'{path or type(module).__name__}' ({type(module).__qualname__})")
+        return module
+    return _plain_twin(module, path)
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
@@ -173,7 +183,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> model = syncbn.revert_sync_batchnorm(model)  # e.g. before export
     """
     kept: list[str] = []
-    result = _revert(module, "", kept)
+    result = replace_modules(module, lambda current, path: _revert(current, path, kept))
     if kept:
         warnings.warn(
             f"revert_sync_batchnorm left {len(kept)} layer(s) synchronized: {', '.join(kept)}. "

@@ -43,7 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn import _protocol
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
 from syncbn._compiled import leaf_call_when_fx_traced
-from syncbn._conversion import batchnorm_twin
+from syncbn._conversion import batchnorm_twin, computed_parameters, replace_modules
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
 
 __all__ = [
@@ -416,21 +416,20 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
     for torch_class, sync_class in _CONVERSIONS:
         if not isinstance(module, torch_class):
             continue
+        described = f"'{path or type(module).__name__}' ({type(module).__qualname__})"
         if type(module).forward is not _BatchNorm.forward:
             skipped.append(
-                f"'{path or type(module).__name__}' ({type(module).__qualname__}, a subclass "
-                f"of {torch_class.__name__})"
+                f"{described}: it overrides forward(), and converting it would drop that behaviour"
+            )
+            return module
+        if computed_parameters(module):
+            skipped.append(
+                f"{described}: its weight or bias is computed (torch.nn.utils.parametrize, "
+                "weight_norm), which a converted layer would lose"
             )
             return module
         return batchnorm_twin(module, sync_class)
     return module
-
-
-def _convert(module: nn.Module, path: str, skipped: list[str]) -> nn.Module:
-    result = _synchronized(module, path, skipped)
-    for name, child in module.named_children():
-        result.add_module(name, _convert(child, f"{path}.{name}" if path else name, skipped))
-    return result
 
 
 def convert_model(module: nn.Module) -> nn.Module:
@@ -439,8 +438,10 @@ def convert_model(module: nn.Module) -> nn.Module:
     Each layer becomes :class:`SynchronizedBatchNorm1d` (``2d``, ``3d``) *sharing* its
     Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
-    ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``
-    is left unconverted with a warning naming it. If ``module`` is a
+    ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``,
+    or a layer whose weight or bias is computed (``torch.nn.utils.parametrize``), is
+    left unconverted with a warning naming it. A layer held in several places becomes
+    one synchronized layer in all of them. If ``module`` is a
     ``torch.nn.DataParallel``, its inner module is converted and returned wrapped in
     :class:`DataParallelWithCallback` with the same ``device_ids``, ``output_device``
     and ``dim``.
@@ -461,11 +462,10 @@ def convert_model(module: nn.Module) -> nn.Module:
     """
     skipped: list[str] = []
     inner = module.module if isinstance(module, nn.DataParallel) else module
-    converted = _convert(inner, "", skipped)
+    converted = replace_modules(inner, lambda current, path: _synchronized(current, path, skipped))
     for description in skipped:
         warnings.warn(
-            f"convert_model left {description} unconverted: it overrides forward(), and "
-            "converting it would drop that behaviour; it keeps per-replica statistics",
+            f"convert_model left {description}; it keeps per-replica statistics",
             stacklevel=2,
         )
     if isinstance(module, nn.DataParallel):

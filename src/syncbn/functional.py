@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from syncbn import _compiled, _composite, distributed
 from syncbn._autograd import (
@@ -79,6 +78,9 @@ def sync_batch_norm(
         >>> mean, var = torch.zeros(3), torch.ones(3)
         >>> y = sync_batch_norm(x, mean, var, training=True)
     """
+    if (running_mean is None) != (running_var is None):
+        # torch's check, which the synchronized and masked paths would not reach
+        raise ValueError("running_mean and running_var must either both be None or neither be None")
     if not isinstance(momentum, (float, int)):
         # as F.batch_norm says it; a cumulative average needs num_batches_tracked (the module)
         raise TypeError(
@@ -99,10 +101,9 @@ def sync_batch_norm(
             raise problem
         if training and is_recomputing():
             running_mean = running_var = None  # already updated by the original forward
-        output = F.batch_norm(
-            input, running_mean, running_var, weight, bias, training, momentum, eps
+        return _composite.batch_norm_valid(
+            input, mask, running_mean, running_var, weight, bias, training, momentum, eps
         )
-        return _composite.zero_padded(output, mask)
     if per_channel is None and input.dim() < 2:
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from syncbn import _composite, _protocol, _stats, distributed
 from syncbn._kernels import kernels_for
@@ -154,6 +155,10 @@ def recompute_statistics(
         process_group: ranks to pool statistics over; the default group if ``None``.
             Default: ``None``
 
+    Raises:
+        ValueError: ``num_batches`` is negative, or a lazy layer with running statistics
+            is not materialised yet (run one forward pass first).
+
     Examples::
 
         >>> syncbn.recompute_statistics(model, (x for x, _ in train_loader), num_batches=200)
@@ -166,6 +171,12 @@ def recompute_statistics(
     if not layers:
         return
     names = {id(module): name for name, module in model.named_modules()}
+    lazy = [names[id(m)] for m in layers if isinstance(m, LazyModuleMixin)]
+    if lazy:
+        raise ValueError(
+            f"recompute_statistics: lazy layer(s) {lazy} are not materialised yet; run one "
+            "forward pass of the model first"
+        )
     device = layers[0].running_mean.device  # type: ignore[union-attr]
     world_size = distributed.get_world_size(process_group)
     sums: dict[int, torch.Tensor] = {}

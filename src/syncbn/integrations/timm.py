@@ -151,17 +151,25 @@ def _norm_act_to_sync(module: _BatchNorm) -> SyncBatchNormAct2d:
     return layer
 
 
+def _original_class(layer: SyncBatchNormAct2d, registered: type[_BatchNorm]) -> type[_BatchNorm]:
+    """The class ``layer`` was converted from, if it is ``registered`` or a subclass of it
+    (one that keeps its forward, and so its converter); else ``registered``."""
+    original = layer._original_class
+    return original if original is not None and issubclass(original, registered) else registered
+
+
 def _to_batchnorm_act(layer: SyncBatchNormAct2d) -> nn.Module:
-    """The inverse of :func:`_norm_act_to_sync` for ``BatchNormAct2d``."""
-    module = batchnorm_twin(layer, BatchNormAct2d, apply_act=False)
+    """The inverse of :func:`_norm_act_to_sync` for ``BatchNormAct2d`` (and subclasses)."""
+    module = batchnorm_twin(layer, _original_class(layer, BatchNormAct2d), apply_act=False)
     module.drop = layer.drop
     module.act = layer.act
     return module
 
 
 def _to_timm_sync_batchnorm_act(layer: SyncBatchNormAct2d) -> nn.Module:
-    """The inverse of :func:`_norm_act_to_sync` for timm's ``SyncBatchNormAct``."""
-    module = batchnorm_twin(layer, SyncBatchNormAct, process_group=layer.process_group)
+    """The inverse of :func:`_norm_act_to_sync` for timm's ``SyncBatchNormAct`` (and subclasses)."""
+    original = _original_class(layer, SyncBatchNormAct)
+    module = batchnorm_twin(layer, original, process_group=layer.process_group)
     module.drop = layer.drop
     module.act = layer.act
     return module
