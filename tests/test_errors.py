@@ -27,6 +27,11 @@ def test_local_errors_are_worded_like_torch() -> None:
         bn(torch.randn(1, 3))
     with pytest.raises(ValueError, match=r"expected at least 2D input \(got 0D input\)"):
         syncbn.sync_batch_norm(torch.tensor(1.0), None, None, training=True)
+    with pytest.raises(TypeError, match="expected input to be a Tensor, got NoneType"):
+        bn(None)  # type: ignore[arg-type]
+    for layer in (syncbn.SyncBatchNorm(0), syncbn.SyncBatchNorm(0).eval()):
+        with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+            layer(torch.randn(2, 0, 3))
 
 
 def test_check_mode_is_validated_when_set() -> None:
@@ -84,19 +89,25 @@ def test_one_value_per_rank_is_enough_when_the_global_count_is_larger(pool: Work
 
 def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3)
-    x = torch.randn(4, 3, 2)
+    good = torch.randn(4, 3, 2)
+    x: torch.Tensor | None = good
     if rank == world_size - 1:
-        x = {"dims": torch.randn(3), "channels": torch.randn(4, 5, 2), "dtype": x.long()}[bad]
+        x = {
+            "dims": torch.randn(3),
+            "channels": torch.randn(4, 5, 2),
+            "dtype": good.long(),
+            "not a tensor": None,  # before, nothing checked it: that rank never joined
+        }[bad]
     result = outcome(bn, x)
     # the group is still usable afterwards: a correct call on every rank works
     assert outcome(bn, torch.randn(2, 3, 2)) == ("ok", "")
     return result
 
 
-@pytest.mark.parametrize("bad", ["dims", "channels", "dtype"])
+@pytest.mark.parametrize("bad", ["dims", "channels", "dtype", "not a tensor"])
 def test_bad_input_on_one_rank_raises_on_every_rank(pool: WorkerPool, bad: str) -> None:
     *others, last = pool.run(_one_rank_bad_input, bad)
-    assert last[0] == ("TypeError" if bad == "dtype" else "ValueError")
+    assert last[0] == ("ValueError" if bad in ("dims", "channels") else "TypeError"), last
     for kind, message in others:
         assert kind == "RuntimeError"
         assert "other rank(s) failed in their SyncBatchNorm call in forward" in message

@@ -102,8 +102,12 @@ def input_problem(
         parameters: the layer's weight, bias and running statistics (``None`` where it has
             none), whose dtypes must be what torch's batch norm accepts with the input's.
     """
+    if not isinstance(input, torch.Tensor):
+        return TypeError(f"{layer_kind}: expected input to be a Tensor, got {type(input).__name__}")
     if input.dim() < 2:
         return ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+    if input.shape[1] == 0:  # torch.nn.SyncBatchNorm's words
+        return ValueError(f"{layer_kind} number of input channels should be non-zero")
     if num_features is not None and input.shape[1] != num_features:
         return ValueError(
             f"expected input with {num_features} channels (num_features={num_features}), "
@@ -486,17 +490,19 @@ def forward_train(
     per_channel = first_given(weight, bias, running_mean, running_var)
     device = input.device if per_channel is None else per_channel.device
     num_channels = options.layer.num_features
-    kernels = kernels_for(input.device)
     valid = None
     # outside join_on_error: see resolve_mode
     mode = resolve_mode(options, device)
     with join_on_error(options, "forward", device):
+        # nothing reads the input before this check: an input that is not even a tensor
+        # joins the collective with the error flag too
         parameters = (weight, bias, running_mean, running_var)
         problem = input_problem(input, num_channels, device, parameters=parameters)
         if problem is None and mask is not None:
             problem = mask_problem(mask, input)
         if problem is not None:
             raise problem
+        kernels = kernels_for(input.device)
         if mask is not None:
             valid = valid_positions(mask, input)
         moments = kernels.local_moments(input, valid)

@@ -178,7 +178,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
         compiling = _compiled.is_compiling()
-        if not compiling:  # a side effect dynamo refuses inside checkpointing
+        if not compiling and isinstance(input, torch.Tensor):  # (else: refused in its path)
+            # a side effect dynamo refuses inside checkpointing
             self.last_input_dim = input.dim()
         if not self.training:
             return self._eval_forward(input, mask)

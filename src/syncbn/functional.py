@@ -51,7 +51,11 @@ def sync_batch_norm(
 
     .. note::
         Synchronization happens only with ``training=True``. Every rank of the group
-        must make the same calls, in the same order, with the same channel count.
+        must make the same calls, in the same order, with the same channel count. An
+        invalid input joins the collective with the error flag, so that every rank
+        raises; but with neither weight, bias nor running statistics, an input of fewer
+        than 2 dims tells no channel count, and raises on its rank alone (the others
+        then fail at the process group's timeout).
 
     Args:
         input: tensor of shape :math:`(N, C, *)`.
