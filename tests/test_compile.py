@@ -480,3 +480,36 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
     for op, results in zip(("sync_moments", "sync_moments_backward"), checks):
         assert set(results.values()) == {"SUCCESS"}, (op, results)
         assert torch.Tag.pt2_compliant_tag in getattr(ops, op).default.tags
+
+
+def test_the_functional_form_compiles_where_it_does_not_synchronize() -> None:
+    """Without a process group (and without a mask) the functional training call is torch's
+    batch norm; asking whether autograd recomputes a checkpoint broke the graph there."""
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    states = [(torch.zeros(3).double(), torch.ones(3).double()) for _ in range(2)]
+
+    def call(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return syncbn.sync_batch_norm(x, mean, var, training=True, momentum=0.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, *states[0]), call(x, *states[1]))
+    torch.testing.assert_close(states[0], states[1])
+
+
+def test_a_cumulative_average_compiles_where_it_does_not_synchronize() -> None:
+    """``momentum=None`` alone: torch's forward reads the factor ``1 / num_batches_tracked``
+    on the host, which ``fullgraph=True`` refused; the factor now stays on the device."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=None)).double()
+    model = copy.deepcopy(plain)
+    syncbn.convert_sync_batchnorm(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for n in (2, 3, 2):
+        x = torch.randn(n, 3, 5, 5, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x), plain(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.state_dict(), plain.state_dict(), rtol=1e-12, atol=1e-12)
+    assert int(model.state_dict()["1.num_batches_tracked"]) == 3
+    with pytest.raises(Exception, match="Expected more than 1 value per channel"):
+        compiled(torch.randn(1, 3, 1, 1, dtype=torch.float64))

@@ -8,6 +8,7 @@ position may reach an output, a gradient or a statistic.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
@@ -529,6 +530,32 @@ def test_inductor_kernels_match_the_gathered_reference(case: MaskedCase) -> None
     _assert_matches(case, [result])
     if case.channels_last:
         assert all(step["channels_last"] for step in result["steps"])
+
+
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_compiled_masked_calls_take_sizes_that_change(training: bool) -> None:
+    """Once dynamo has seen the layers' forward at two sizes (any layer's: they share its
+    code), it traces the input's sizes as symbols, and the mask's shape check wrongly
+    failed (``m not in (1, p)`` traced True for a symbolic ``p``): valid masks raised.
+    Sizes marked dynamic by the user work when the mask's are marked too."""
+    torch.manual_seed(0)
+    other, layer = (syncbn.SyncBatchNorm(3).double().train(training) for _ in range(2))
+    reference = copy.deepcopy(layer)
+    torch._dynamo.reset()
+    for n in (4, 6):  # another layer, unmasked, at two batch sizes
+        torch.compile(other, fullgraph=True, backend="aot_eager")(
+            torch.randn(n, 3, n + 1, dtype=torch.float64)
+        )
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for n, length, mark in ((4, 5, False), (6, 7, False), (3, 8, True)):
+        x = torch.randn(n, 3, length, dtype=torch.float64)
+        mask = torch.rand(n, length) < 0.7
+        if mark:
+            for tensor in (x, mask):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        torch.testing.assert_close(compiled(x, mask), reference(x, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.running_var, reference.running_var, rtol=1e-12, atol=0)
 
 
 @pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")

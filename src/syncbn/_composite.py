@@ -43,6 +43,7 @@ __all__ = [
     "batch_norm_valid",
     "computed_once",
     "keep_local",
+    "keep_local_cumulative",
     "mask_problem",
     "normalize",
     "pack_moments",
@@ -95,7 +96,9 @@ def mask_problem(mask: torch.Tensor, input: torch.Tensor) -> Exception | None:
         return TypeError(f"expected mask of dtype torch.bool, got mask of dtype {mask.dtype}")
     positions = (input.shape[0], *input.shape[2:])
     trailing = positions[len(positions) - mask.dim() :] if mask.dim() <= len(positions) else ()
-    if mask.dim() > len(positions) or any(m not in (1, p) for m, p in zip(mask.shape, trailing)):
+    # written out: dynamo traces ``m not in (1, p)`` for a symbolic ``p`` as True (a size
+    # that changed between calls made a valid mask an error under torch.compile)
+    if mask.dim() > len(positions) or any(m != 1 and m != p for m, p in zip(mask.shape, trailing)):
         return ValueError(
             f"expected mask of shape {tuple(positions)} (the input's shape without the channel "
             f"dimension) or broadcastable to it, got mask of shape {tuple(mask.shape)} for "
@@ -195,6 +198,21 @@ def keep_local(moments: torch.Tensor) -> tuple[torch.Tensor, None]:
     """The :data:`Exchange` of a process alone that updates nothing (eval mode without
     running statistics): the global moments are the local ones."""
     return moments, None
+
+
+def keep_local_cumulative(num_batches_tracked: torch.Tensor) -> Exchange:
+    """The :data:`Exchange` of a process alone whose running statistics are a cumulative
+    average (``momentum=None``): factor ``1 / (num_batches_tracked + 1)``, on the device.
+
+    Under ``torch.compile`` torch's own forward reads that factor on the host, which
+    ``fullgraph=True`` refuses.
+    """
+
+    def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        factor = num_batches_tracked.add(1).to(torch.float64).reciprocal()
+        return moments, torch.stack([factor, torch.ones_like(factor)])
+
+    return exchange
 
 
 def _update_running_stats(

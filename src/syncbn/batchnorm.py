@@ -251,10 +251,31 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
 
         Except that a forward recomputed by activation checkpointing updates no running
         statistics (torch's BatchNorm updates them twice). Under ``torch.compile`` the
-        recomputation cannot be detected, and torch's own forward runs.
+        recomputation cannot be detected, and torch's own forward runs; or for a
+        cumulative average (``momentum=None``), whose factor torch's forward reads on the
+        host, the composite maths with the factor on the device.
         """
         if _compiled.is_compiling():
-            return super().forward(input)
+            counted = self.num_batches_tracked
+            if self.momentum is not None or not self.track_running_stats or counted is None:
+                return super().forward(input)
+            self._check_input_dim(input)
+            if input.numel() == input.shape[1]:  # torch's check, which its forward makes
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got input size "
+                    f"{input.size()}"
+                )
+            return _composite.batch_norm_train(
+                input,
+                self.weight,
+                self.bias,
+                None,
+                _composite.keep_local_cumulative(counted),
+                eps=self.eps,
+                running_mean=self.running_mean,
+                running_var=self.running_var,
+                num_batches_tracked=counted,
+            )
         self._check_input_dim(input)
         update = self.track_running_stats and not is_recomputing()
         factor = 0.0 if self.momentum is None else self.momentum

@@ -103,7 +103,9 @@ def sync_batch_norm(
             problem = _composite.mask_problem(mask, input)
         if problem is not None:
             raise problem
-        if training and is_recomputing():
+        # (compiled: not asked, dynamo cannot trace it; a compiled recomputation replays no
+        # buffer mutation)
+        if training and not _compiled.is_compiling() and is_recomputing():
             running_mean = running_var = None  # already updated by the original forward
         return _composite.batch_norm_valid(
             input, mask, running_mean, running_var, weight, bias, training, momentum, eps
