@@ -280,6 +280,8 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
         options.append("--no-transport")
     if args.batch != BATCH:
         options.append(f"--batch {args.batch}")
+    if args.out.resolve() != (HERE / "compile.md").resolve():
+        options.append(f"--out benchmarks/{args.out.name}")
     command_options = "".join(f" {option}" for option in options)
     # glibc's allocator settings change this VM's page faults, and so the timings
     allocator = [f"{key}={os.environ[key]}" for key in MALLOC_KEYS if key in os.environ]

@@ -37,6 +37,7 @@ class Case:
     dtype: str = "float64"
     param_dtype: str | None = None  # None: same as dtype
     affine: bool = True
+    bias: bool = True  # False: torch >= 2.13's bias=False (a scale only)
     track_running_stats: bool = True
     momentum: float | None = 0.1
     eps: float = 1e-5
@@ -88,7 +89,8 @@ def _init(module: _BatchNorm, case: Case, weight: torch.Tensor, bias: torch.Tens
     if case.affine:
         with torch.no_grad():
             module.weight.copy_(weight)
-            module.bias.copy_(bias)
+            if module.bias is not None:
+                module.bias.copy_(bias)
 
 
 def _step_record(module: _BatchNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[str, Any]:
@@ -104,12 +106,11 @@ def _step_record(module: _BatchNorm, x: torch.Tensor, dy: torch.Tensor) -> dict[
         if y.dim() == 5
         else True,
     }
-    if module.weight is not None:
-        assert module.weight.grad is not None and module.bias.grad is not None
-        record["grad_weight"] = module.weight.grad.detach().clone()
-        record["grad_bias"] = module.bias.grad.detach().clone()
-        module.weight.grad = None
-        module.bias.grad = None
+    for name, parameter in (("grad_weight", module.weight), ("grad_bias", module.bias)):
+        if parameter is not None:
+            assert parameter.grad is not None
+            record[name] = parameter.grad.detach().clone()
+            parameter.grad = None
     return record
 
 
@@ -124,6 +125,7 @@ def _module_kwargs(case: Case) -> dict[str, Any]:
         affine=case.affine,
         track_running_stats=case.track_running_stats,
         dtype=case.torch_param_dtype(),
+        **({} if case.bias else {"bias": False}),
     )
 
 

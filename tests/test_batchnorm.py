@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from torch import nn
 
 from syncbn import _autograd
 
@@ -19,6 +21,7 @@ CASES = {
     "2d": Case(sizes=(), tail=(3, 4, 5)),
     "3d": Case(sizes=(), tail=(2, 3, 2, 4)),
     "affine-false": Case(sizes=(), affine=False),
+    "bias-false": Case(sizes=(), bias=False),
     "no-running-stats": Case(sizes=(), track_running_stats=False),
     "momentum-none": Case(sizes=(), momentum=None, steps=4),
     "channels-last-2d": Case(sizes=(), channels_last=True),
@@ -41,11 +44,20 @@ _NEEDS_CPU_FLOAT16 = pytest.mark.skipif(
 )
 
 
+#: the reference for bias=False: torch's layers take it from torch 2.13
+_NEEDS_BIAS_ARGUMENT = pytest.mark.skipif(
+    "bias" not in inspect.signature(nn.BatchNorm1d.__init__).parameters,
+    reason="torch's BatchNorm takes bias=False from torch 2.13",
+)
+
+
 def _params(names: list[str]) -> list[object]:
-    return [
-        pytest.param(name, marks=_NEEDS_CPU_FLOAT16) if CASES[name].dtype == "float16" else name
+    marks = {
+        name: [_NEEDS_CPU_FLOAT16] * (CASES[name].dtype == "float16")
+        + [_NEEDS_BIAS_ARGUMENT] * (not CASES[name].bias)
         for name in names
-    ]
+    }
+    return [pytest.param(name, marks=marks[name]) for name in names]
 
 
 @pytest.mark.parametrize("sizes_index", [0, 1], ids=["uneven", "with-empty"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -658,3 +659,25 @@ def test_a_subclass_elsewhere_finds_the_converters_of_its_base_class_package(
         warnings.simplefilter("error")
         syncbn.convert_sync_batchnorm(model)
     assert type(model[0]) is SyncAct and _register_act_converter.calls == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(
+    "bias" not in inspect.signature(nn.BatchNorm2d.__init__).parameters,
+    reason="torch's BatchNorm takes bias=False from torch 2.13",
+)
+def test_a_batchnorm_without_bias_converts_and_reverts() -> None:
+    """torch 2.13's ``bias=False`` (a registered ``None`` bias) is not a computed bias: the
+    layer converts (it was left with a wrong warning, and before that kept a meta bias)."""
+    model = nn.Sequential(nn.BatchNorm2d(3, bias=False))
+    reference = copy.deepcopy(model)
+    keys = model.state_dict().keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+    assert type(model[0]) is syncbn.SyncBatchNorm and model[0].bias is None
+    assert model.state_dict().keys() == keys
+    x = torch.randn(4, 3, 2, 2)
+    torch.testing.assert_close(model(x), reference(x))
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm2d and model[0].bias is None
+    assert "bias=False" in repr(model[0])

@@ -174,3 +174,43 @@ def test_checkpoint_loads_into_plain_model_and_back(pool2: WorkerPool) -> None:
     for key, value in state.items():
         assert torch.equal(converted.state_dict()[key], value), key
     assert isinstance(converted[1], syncbn.SyncBatchNorm)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointing_a_layer_alone_updates_running_stats_once(use_reentrant: bool) -> None:
+    """Without a process group the layer is torch's BatchNorm, except that a recomputed
+    forward moves nothing; it must still save what the forward saved (non-reentrant
+    checkpointing raised "a different number of tensors was saved")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), syncbn.SyncBatchNorm(3), nn.ReLU()).double()
+    reference = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU()).double()
+    reference.load_state_dict(model.state_dict())
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=use_reentrant)
+        out.square().sum().backward()
+        x_ref = x.detach().requires_grad_()
+        expected = reference(x_ref)
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointing_the_functional_form_alone_updates_running_stats_once(
+    use_reentrant: bool,
+) -> None:
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return syncbn.sync_batch_norm(x, mean, var, training=True, momentum=0.5)
+
+    torch.utils.checkpoint.checkpoint(call, x, use_reentrant=use_reentrant).sum().backward()
+    reference = nn.BatchNorm1d(3, affine=False, momentum=0.5).double()
+    reference(x.detach())
+    torch.testing.assert_close(mean, reference.running_mean)
+    torch.testing.assert_close(var, reference.running_var)

@@ -58,7 +58,7 @@ _EXPORTS = {
     "sync_batch_norm": "syncbn.functional",
 }
 # the submodules an eager ``import syncbn`` used to make attributes of the package
-_SUBMODULES = ("batchnorm", "convert", "distributed", "functional", "precise")
+_SUBMODULES = ("batchnorm", "convert", "data_parallel", "distributed", "functional", "precise")
 
 
 def __getattr__(name: str) -> Any:

@@ -96,6 +96,8 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         device="meta",
         **kwargs,
     )
+    if source.affine and _without(source, "bias"):  # torch >= 2.13's bias=False
+        twin.register_parameter("bias", None)
     share_state(source, twin)
     # a SyncBatchNorm built on the meta device now holds tensors on another device
     prepare = getattr(twin, "_prepare_order_token", None)
@@ -230,11 +232,17 @@ def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
     return isinstance(module, _BatchNorm) and type(module).forward in plain_forwards
 
 
+def _without(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` has no Parameter ``name``, registered as ``None`` (``bias=False``)."""
+    return name in module._parameters and module._parameters[name] is None
+
+
 def computed_parameters(module: nn.Module) -> bool:
     """Whether an affine BatchNorm's weight or bias is computed, not a Parameter of its own
-    (``torch.nn.utils.parametrize``, ``weight_norm``): a converted layer would lose that."""
+    (``torch.nn.utils.parametrize``, ``weight_norm`` take it out of the module's
+    Parameters): a converted layer would lose that."""
     return bool(getattr(module, "affine", False)) and any(
-        module._parameters.get(name) is None for name in ("weight", "bias")
+        name not in module._parameters for name in ("weight", "bias")
     )
 
 

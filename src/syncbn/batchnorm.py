@@ -72,6 +72,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             Default: ``None``
         device: device of the parameters and buffers. Default: ``None``
         dtype: dtype of the parameters and buffers. Default: ``None``
+        bias: with ``affine``, learn the shift :math:`\beta` too (``False``: a scale
+            only, as torch >= 2.13's ``bias=False``). Default: ``True``
 
     Attributes:
         layer_name: the layer's module path, used in error messages and in the
@@ -90,7 +92,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         running-statistics update stay on the device), so it can be captured in a CUDA
         graph, and ``torch.compile(model, fullgraph=True)`` traces the layer without a
         graph break. When every rank's batch is empty the output is empty, as in torch.
-        (CUDA: designed and tested for this, but the tests have not yet run on a GPU.)
+        (CUDA: designed for this; its tests are written but have not yet run on a GPU.)
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.
@@ -116,10 +118,14 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         process_group: dist.ProcessGroup | None = None,
         device: Any = None,
         dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
+        if affine and not bias:  # as torch >= 2.13's layers take it (on any torch here)
+            self.register_parameter("bias", None)
         self.process_group = process_group
         self._init_identity()  # layer_name, layer_identity, check settings, call count
         self.last_input_dim: int | None = None
@@ -283,14 +289,16 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
+        # a recomputation passes the running statistics too, with a factor of 0 (they stay as
+        # they are): non-reentrant checkpointing requires it to save what the forward saved
         return F.batch_norm(
             input,
-            self.running_mean if update else None,
-            self.running_var if update else None,
+            self.running_mean,
+            self.running_var,
             self.weight,
             self.bias,
             True,
-            factor,
+            factor if update else 0.0,
             self.eps,
         )
 

@@ -43,6 +43,10 @@ class BatchNormNd(_BatchNorm):
             Default: 0.1
         affine: learnable per-channel scale and shift. Default: ``True``
         track_running_stats: keep running statistics. Default: ``True``
+        device: device of the parameters and buffers. Default: ``None``
+        dtype: dtype of the parameters and buffers. Default: ``None``
+        bias: (torch >= 2.13, keyword only) with ``affine``, learn the shift too.
+            Default: ``True``
 
     Shape:
         - Input: :math:`(N, C, *)`

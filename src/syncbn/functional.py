@@ -39,8 +39,9 @@ def sync_batch_norm(
     of every rank's local batch, local sizes may differ and may be 0), the input
     gradient flows through the global statistics, and ``running_mean`` /
     ``running_var`` (if given) are updated in place with the global mean and
-    unbiased variance. Otherwise this is exactly
-    :func:`torch.nn.functional.batch_norm`.
+    unbiased variance. Otherwise, without a mask, this is
+    :func:`torch.nn.functional.batch_norm` (except that a forward recomputed by
+    activation checkpointing updates no running statistics).
 
     With a ``mask`` (True at valid positions), the statistics are those of the valid
     positions of all ranks, the running variance uses their global count, and padded
@@ -106,7 +107,9 @@ def sync_batch_norm(
         # (compiled: not asked, dynamo cannot trace it; a compiled recomputation replays no
         # buffer mutation)
         if training and not _compiled.is_compiling() and is_recomputing():
-            running_mean = running_var = None  # already updated by the original forward
+            # already updated by the original forward: a factor of 0 keeps them, and the
+            # call saves what the original saved (non-reentrant checkpointing checks that)
+            momentum = 0.0
         return _composite.batch_norm_valid(
             input, mask, running_mean, running_var, weight, bias, training, momentum, eps
         )
