@@ -681,3 +681,12 @@ def test_a_batchnorm_without_bias_converts_and_reverts() -> None:
     syncbn.revert_sync_batchnorm(model)
     assert type(model[0]) is nn.BatchNorm2d and model[0].bias is None
     assert "bias=False" in repr(model[0])
+
+
+def test_a_layer_without_bias_resets_on_any_torch() -> None:
+    """torch < 2.13's reset_parameters zeroes the bias unconditionally."""
+    layer = syncbn.SyncBatchNorm(3, bias=False)
+    with torch.no_grad():
+        cast(torch.Tensor, layer.weight).fill_(2.0)
+    layer.reset_parameters()
+    assert layer.bias is None and bool((cast(torch.Tensor, layer.weight) == 1).all())

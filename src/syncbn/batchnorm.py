@@ -137,6 +137,13 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         self._site_key = _compiled.register_site(self)
         self._prepare_order_token()
 
+    def reset_parameters(self) -> None:
+        if self.affine and self.bias is None:  # bias=False, which torch < 2.13 does not know
+            self.reset_running_stats()
+            torch.nn.init.ones_(self.weight)
+            return
+        super().reset_parameters()
+
     def _apply(self, *args: Any, **kwargs: Any) -> SyncBatchNorm:
         # .to(), .cuda(), .to_empty(): the layer's new device needs its order token
         moved = super()._apply(*args, **kwargs)
