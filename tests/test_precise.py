@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import WorkerPool
+from _harness import WorkerPool, outcome
 from torch import nn
 
 import syncbn
@@ -208,3 +208,53 @@ def test_a_layer_called_with_a_keyword_input() -> None:
     var, mean = torch.var_mean(torch.cat(batches), dim=0, correction=1)
     torch.testing.assert_close(model.bn.running_mean, mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.bn.running_var, var, rtol=1e-12, atol=1e-12)
+
+
+class _TimeMajor(nn.BatchNorm1d):
+    """(N, L, C) input, transposed before normalizing (speech and sequence models)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input.transpose(1, 2)).transpose(1, 2)
+
+
+class _Scaled(nn.BatchNorm1d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input * 10)
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "match"),
+    [
+        (_TimeMajor(4), (8, 4, 4), "normalizes another tensor than the one it is given"),
+        (_TimeMajor(4), (8, 6, 4), r"input of shape \(8, 6, 4\), whose dimension 1"),
+        (_Scaled(4), (8, 4), "normalizes another tensor than the one it is given"),
+    ],
+    ids=["transposed-square", "transposed", "scaled"],
+)
+def test_a_forward_that_changes_its_input_first_is_refused(
+    layer: nn.BatchNorm1d, shape: tuple[int, ...], match: str
+) -> None:
+    """Its statistics are those of another tensor than the recorded one: they came out
+    silently wrong (or a size mismatch was raised), and now nothing changes."""
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        syncbn.recompute_statistics(layer, [torch.randn(*shape) + 3 for _ in range(2)])
+    for key, value in layer.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def _negative_num_batches_on_rank_0(rank: int, world_size: int) -> tuple[str, str]:
+    model = nn.Sequential(syncbn.SyncBatchNorm(3)).double()
+    return outcome(
+        lambda: syncbn.recompute_statistics(
+            model, _batches(rank), num_batches=-1 if rank == 0 else None
+        )
+    )
+
+
+def test_refused_arguments_on_one_rank_raise_on_every_rank(pool2: WorkerPool) -> None:
+    """The rank that refuses them joins the collective with the error flag (the others
+    waited for the process group's timeout)."""
+    refused, other = pool2.run(_negative_num_batches_on_rank_0, timeout=30.0)
+    assert refused[0] == "ValueError" and "num_batches must be non-negative" in refused[1]
+    assert other[0] == "RuntimeError" and "other rank(s)" in other[1], other

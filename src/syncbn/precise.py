@@ -10,12 +10,15 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.overrides import TorchFunctionMode
 
 from syncbn import _composite, _protocol, _stats, distributed
 from syncbn._kernels import kernels_for
+from syncbn.batchnorm import SyncBatchNorm
 
 __all__ = ["recompute_statistics"]
 
@@ -29,7 +32,7 @@ class _LayerState(NamedTuple):
 
 
 def _record_moments(
-    layer: _BatchNorm, sums: dict[int, torch.Tensor]
+    layer: _BatchNorm, sums: dict[int, torch.Tensor], given: dict[int, torch.Tensor]
 ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """A forward pre-hook that adds the moments of ``layer``'s input to ``sums`` and loads the
     batch's own mean and variance into its running statistics, which the layer, in eval mode,
@@ -41,7 +44,15 @@ def _record_moments(
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         input = args[0] if args else kwargs["input"]
+        given[id(layer)] = input
         layer._check_input_dim(input)
+        if input.dim() < 2 or input.shape[1] != layer.num_features:
+            raise ValueError(
+                f"recompute_statistics: {type(layer).__qualname__}(num_features="
+                f"{layer.num_features}) was given an input of shape {tuple(input.shape)}, "
+                "whose dimension 1 is not its channels; a forward that transposes its input "
+                "before normalizing it is not supported"
+            )
         # a synchronized layer's mask of valid positions (padded batches), if the model gives one
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         valid = None
@@ -63,6 +74,39 @@ def _record_moments(
     return hook
 
 
+class _NormalizedInputs(TorchFunctionMode):
+    """Watches the batch-norm calls of layers whose class overrides ``forward``: each call
+    with a layer's running mean must normalize the very tensor the layer's ``forward`` was
+    given, whose moments the pre-hook recorded (timm's ``BatchNormAct2d`` does). A
+    ``forward`` that changes its input first (a transpose, a scale) is listed in
+    :attr:`transformed`: its recorded statistics would be those of another tensor.
+    """
+
+    def __init__(self, layers: list[_BatchNorm]) -> None:
+        super().__init__()
+        self.by_buffer = {id(layer.running_mean): layer for layer in layers}
+        self.given: dict[int, torch.Tensor] = {}  # id(layer) -> its forward's input
+        self.transformed: list[_BatchNorm] = []
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in (F.batch_norm, torch.batch_norm):
+            running_mean = args[1] if len(args) > 1 else kwargs.get("running_mean")
+            layer = self.by_buffer.get(id(running_mean))
+            input = args[0] if args else kwargs.get("input")
+            if layer is not None and input is not self.given.get(id(layer)):
+                if layer not in self.transformed:
+                    self.transformed.append(layer)
+        return func(*args, **kwargs)
+
+
+def _overrides_forward(layer: _BatchNorm) -> bool:
+    """Whether ``layer``'s class has a ``forward`` of its own (syncbn's layers' are known)."""
+    return type(layer).forward is not _BatchNorm.forward and not isinstance(layer, SyncBatchNorm)
+
+
 @contextmanager
 def _collecting_moments(
     layers: list[_BatchNorm], tracked: list[_BatchNorm]
@@ -82,14 +126,24 @@ def _collecting_moments(
         )
         for layer in layers
     }
+    watch = _NormalizedInputs([layer for layer in tracked if _overrides_forward(layer)])
     hooks = [
-        layer.register_forward_pre_hook(_record_moments(layer, sums), with_kwargs=True)
+        layer.register_forward_pre_hook(_record_moments(layer, sums, watch.given), with_kwargs=True)
         for layer in tracked
     ]
     for layer in layers:
         layer.training = False  # the layer alone: its children (act, drop) keep their mode
     try:
-        yield sums
+        with watch:
+            yield sums
+        if watch.transformed:
+            described = ", ".join(type(layer).__qualname__ for layer in watch.transformed)
+            raise ValueError(
+                f"recompute_statistics: the forward of {described} normalizes another tensor "
+                "than the one it is given (a transpose, a scale), whose statistics cannot be "
+                "recorded; recompute them by running the model in training mode with "
+                "momentum=None instead"
+            )
     finally:
         for hook in hooks:
             hook.remove()
@@ -156,37 +210,40 @@ def recompute_statistics(
             Default: ``None``
 
     Raises:
-        ValueError: ``num_batches`` is negative, or a lazy layer with running statistics
-            is not materialised yet (run one forward pass first).
+        ValueError: ``num_batches`` is negative, a lazy layer with running statistics
+            is not materialised yet (run one forward pass first), or a BatchNorm
+            subclass's ``forward`` normalizes another tensor than its input (a transpose,
+            a scale first), whose statistics this cannot record. On every rank.
 
     Examples::
 
         >>> syncbn.recompute_statistics(model, (x for x, _ in train_loader), num_batches=200)
         >>> model.eval()  # evaluate with the precise statistics
     """
-    if num_batches is not None and num_batches < 0:
-        raise ValueError(f"num_batches must be non-negative or None, got {num_batches}")
     all_layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     layers = [m for m in all_layers if m.track_running_stats]
-    if not layers:
-        return
     names = {id(module): name for name, module in model.named_modules()}
-    lazy = [names[id(m)] for m in layers if isinstance(m, LazyModuleMixin)]
-    if lazy:
-        raise ValueError(
-            f"recompute_statistics: lazy layer(s) {lazy} are not materialised yet; run one "
-            "forward pass of the model first"
-        )
-    device = layers[0].running_mean.device  # type: ignore[union-attr]
     world_size = distributed.get_world_size(process_group)
     sums: dict[int, torch.Tensor] = {}
+    device = layers[0].running_mean.device if layers else None  # type: ignore[union-attr]
     try:
+        # in here, so that a rank that refuses its arguments joins the collective too
+        if num_batches is not None and num_batches < 0:
+            raise ValueError(f"num_batches must be non-negative or None, got {num_batches}")
+        lazy = [names[id(m)] for m in layers if isinstance(m, LazyModuleMixin)]
+        if lazy:
+            raise ValueError(
+                f"recompute_statistics: lazy layer(s) {lazy} are not materialised yet; run "
+                "one forward pass of the model first"
+            )
+        if not layers:
+            return
         with _collecting_moments(all_layers, layers) as sums:
             for batch in islice(batches, num_batches):
                 model(batch)
     except Exception:
         # join the one collective with an error flag, so that no other rank waits for it
-        if world_size > 1:
+        if world_size > 1 and device is not None:
             error = _packed(layers, {}, device)
             error[0] = 1.0
             try:
@@ -195,6 +252,7 @@ def recompute_statistics(
                 pass
         raise
 
+    assert device is not None  # layers exist past the return above
     buffer = _packed(layers, sums, device)
     if world_size > 1:
         distributed.all_reduce_sum_(buffer, process_group)
