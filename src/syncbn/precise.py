@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import islice
 from typing import Any, NamedTuple
 
@@ -134,7 +134,8 @@ def _collecting_moments(
     for layer in layers:
         layer.training = False  # the layer alone: its children (act, drop) keep their mode
     try:
-        with watch:
+        # (only where a layer's forward is its class's own: the mode sees every torch call)
+        with watch if watch.by_buffer else nullcontext():
             yield sums
         if watch.transformed:
             described = ", ".join(type(layer).__qualname__ for layer in watch.transformed)
