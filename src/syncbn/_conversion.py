@@ -25,6 +25,7 @@ __all__ = [
     "batchnorm_twin",
     "convert_modules",
     "converter_for",
+    "describe_module",
     "register_converter",
     "replace_modules",
     "share_state",
@@ -232,6 +233,11 @@ def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
     return isinstance(module, _BatchNorm) and type(module).forward in plain_forwards
 
 
+def describe_module(module: nn.Module, path: str) -> str:
+    """``'path' (ClassName)`` for warnings that list modules (the class name for the root)."""
+    return f"'{path or type(module).__name__}' ({type(module).__qualname__})"
+
+
 def _without(module: nn.Module, name: str) -> bool:
     """Whether ``module`` has no Parameter ``name``, registered as ``None`` (``bias=False``)."""
     return name in module._parameters and module._parameters[name] is None
@@ -258,7 +264,7 @@ class _Walk(NamedTuple):
 
 def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     """What replaces ``module`` (which is not a ``walk.sync_class`` already)."""
-    described = f"'{path or type(module).__name__}' ({type(module).__qualname__})"
+    described = describe_module(module, path)
     if not isinstance(module, _BatchNorm):
         return module
     if isinstance(module, LazyModuleMixin):  # a materialised one has become its cls_to_become

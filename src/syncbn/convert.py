@@ -13,6 +13,7 @@ from syncbn._conversion import (
     batchnorm_twin,
     convert_modules,
     converter_for,
+    describe_module,
     register_converter,
     replace_modules,
 )
@@ -153,7 +154,7 @@ def _revert(module: nn.Module, path: str, kept: list[str]) -> nn.Module:
     if not isinstance(module, SyncBatchNorm):
         return module
     if _keeps_own_forward(module):
-        kept.append(f"'{path or type(module).__name__}' ({type(module).__qualname__})")
+        kept.append(describe_module(module, path))
         return module
     return _plain_twin(module, path)
 

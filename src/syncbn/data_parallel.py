@@ -43,7 +43,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn import _protocol
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
 from syncbn._compiled import leaf_call_when_fx_traced
-from syncbn._conversion import batchnorm_twin, computed_parameters, replace_modules
+from syncbn._conversion import (
+    batchnorm_twin,
+    computed_parameters,
+    describe_module,
+    replace_modules,
+)
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
 
 __all__ = [
@@ -416,7 +421,7 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
     for torch_class, sync_class in _CONVERSIONS:
         if not isinstance(module, torch_class):
             continue
-        described = f"'{path or type(module).__name__}' ({type(module).__qualname__})"
+        described = describe_module(module, path)
         if type(module).forward is not _BatchNorm.forward:
             skipped.append(
                 f"{described}: it overrides forward(), and converting it would drop that behaviour"
