@@ -9,8 +9,10 @@ One process, one thread, a one-rank gloo group with the synchronized path forced
 so that every check, pack and op of a synchronized call runs but no transport. The model
 is 15 blocks of ``Conv2d(16, 16, 1)``, BatchNorm and ReLU on a ``2x16x4x4`` input;
 forward and backward. Variants: BatchNorm and syncbn, eager and under
-``torch.compile(fullgraph=True)`` (inductor). The per-layer figure is the step's time
-divided by 15; ``syncbn - batchnorm`` is what a synchronized layer call adds on the host.
+``torch.compile(fullgraph=True)`` (inductor), and syncbn eager with its checks deferred
+(``check_mode="deferred"``, the default on accelerators, whatever the device here). The
+per-layer figure is the step's time divided by 15; ``syncbn - batchnorm`` is what a
+synchronized layer call adds on the host.
 Per variant the best of 5 blocks of 50 steps, the variants in turns over 3 rounds.
 
 This is where issue 19 (host time per call on a GPU) and issue 20 (compiled steps,
@@ -45,7 +47,7 @@ def _no_transport(buffer: torch.Tensor, group: Any = None) -> torch.Tensor:
     return buffer
 
 
-def _model(synchronized: bool, device: torch.device) -> nn.Module:
+def _model(synchronized: bool, device: torch.device, check_mode: str = "auto") -> nn.Module:
     blocks = [
         layer
         for _ in range(LAYERS)
@@ -58,6 +60,7 @@ def _model(synchronized: bool, device: torch.device) -> nn.Module:
     for module in model.modules():
         if isinstance(module, syncbn.SyncBatchNorm):
             module._sync_alone = True  # the synchronized path over the one-rank group
+            module.check_mode = check_mode
     return model
 
 
@@ -89,6 +92,9 @@ def measure(device: torch.device) -> dict[str, float]:
         model = _model(synchronized, device)
         variants[f"{name} eager"] = model
         variants[f"{name} compiled"] = torch.compile(model, fullgraph=True)
+    # the checks of accelerators (on the device, read later), whatever the device
+    torch.manual_seed(0)
+    variants["syncbn eager deferred"] = _model(True, device, check_mode="deferred")
     best = {name: float("inf") for name in variants}
     for _ in range(ROUNDS):
         for name, model in variants.items():
@@ -104,7 +110,10 @@ def _markdown(times: dict[str, float], info: dict[str, Any], device: str) -> str
         f"torch {info['torch']}; {info['cpu']}; one process, one thread, one-rank gloo group "
         "with the synchronized path forced and no transport; 15 x (Conv2d(16, 16, 1), "
         "BatchNorm, ReLU) on 2x16x4x4, forward+backward. Best of 5 blocks of 50 steps, "
-        f"3 rounds in turns. Load average at the end: {info['load_average']}.",
+        f"3 rounds in turns. Load average at the end: {info['load_average']}. "
+        '`deferred`: `check_mode="deferred"`, the default on accelerators (checks and '
+        "running statistics on the device, read back later); the other syncbn rows use the "
+        "device's default (immediate on the CPU).",
         "",
         "| variant | step ms | per layer µs | syncbn - batchnorm per layer µs |",
         "|---|---|---|---|",

@@ -229,7 +229,7 @@ def test_the_kernel_count_holds_counts_beyond_int32(count: int) -> None:
     [
         lambda device: _kernels.generic.constants(3, torch.float32, device),
         # every constant of the buffer protocol (head, trailer, header slots) is built here
-        lambda device: _protocol._on_device([1.0, 2.0], torch.float64, device),
+        lambda device: _protocol.on_device([1.0, 2.0], torch.float64, device),
         lambda device: _autograd.counted_update(0.123, device),
         lambda device: _kernels.cuda._part_offsets(device),
     ],

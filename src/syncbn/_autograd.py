@@ -25,9 +25,9 @@ from torch.autograd.function import once_differentiable
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
 from syncbn._kernels import LocalMoments, kernels_for
+from syncbn._kernels.generic import output_offset
 
 __all__ = [
-    "GlobalMoments",
     "LayerInfo",
     "LocalReducer",
     "ProcessGroupReducer",
@@ -36,6 +36,8 @@ __all__ = [
     "TrainOptions",
     "backward_input",
     "backward_train",
+    "count_divisors",
+    "counted_update",
     "first_given",
     "forward_train",
     "input_problem",
@@ -47,7 +49,6 @@ __all__ = [
     "resolve_mode",
     "sync_batch_norm_train",
     "synchronize_grads",
-    "synchronize_moments",
 ]
 
 _SAME_CALLS_RULE = (
@@ -315,8 +316,10 @@ class ForwardResult(NamedTuple):
     """What a training forward returns, and what its backward needs."""
 
     output: torch.Tensor
-    #: ``(3, C)`` the mean of :attr:`backward_input`, the biased variance and
-    #: ``weight / sqrt(var + eps)``, in the statistics dtype
+    #: ``(4, C)`` in the statistics dtype, by row: the mean of :attr:`backward_input`, the
+    #: biased variance, the scale ``weight / sqrt(var + eps)``, and ``-scale / n`` for the
+    #: global count ``n``, which turns the global backward sums into the input gradient's
+    #: corrections
     saved: torch.Tensor
     #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
     global_count: int | torch.Tensor
@@ -333,17 +336,6 @@ def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is not None:
             return tensor
     return None
-
-
-class GlobalMoments(NamedTuple):
-    """The global batch's statistics after a forward collective."""
-
-    #: ``(C,)`` float64: the global mean
-    mean: torch.Tensor
-    #: ``(C,)`` float64: the global biased variance
-    var: torch.Tensor
-    #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
-    global_count: int | torch.Tensor
 
 
 def resolve_mode(options: TrainOptions, device: torch.device) -> str:
@@ -369,25 +361,61 @@ class ReducedForward(NamedTuple):
     buffer: torch.Tensor
     #: the global count per channel: a host number, or a 0-dim float64 tensor on the device
     global_count: int | torch.Tensor
-    #: the running statistics' factor for this call (0 where a deferred check fails)
+    #: the running statistics' factor for this call: 0 where they must not move (a global
+    #: batch of fewer than 2 values, a deferred check that fails)
     factor: float | torch.Tensor
-    #: deferred checks: a 0-dim bool tensor, true where they pass; ``None`` when immediate
-    ok: torch.Tensor | None
-    #: deferred checks: ``[factor, ok]`` in float64 on the device (:attr:`factor` is a view
-    #: of its first value); ``None`` when immediate
+    #: deferred checks: what ``num_batches_tracked`` counts, a 0-dim int64 tensor (0 where
+    #: they fail); ``None`` when immediate (the call counts, or it raised)
+    increment: torch.Tensor | None
+    #: deferred checks: ``[increment, factor]`` on the device, in float64 or the dtype
+    #: :func:`reduce_forward` was given (:attr:`factor` is a view of its last value);
+    #: ``None`` when immediate
     update: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=256)
-def counted_update(factor: float, device: torch.device) -> torch.Tensor:
-    """``[factor, 1]`` in float64 on ``device``, built once per factor (a momentum repeats
-    from call to call): the running statistics' factor and the batch count's increment.
+def counted_update(
+    factor: float, device: torch.device, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """``[1, factor]`` in ``dtype`` on ``device``, built once per factor (a momentum repeats
+    from call to call): the batch count's increment and the running statistics' factor.
 
     Filled on the device (no copy from the host, which a GPU's sync check would flag)."""
     _protocol.refuse_during_capture(device)
-    update = torch.ones(2, dtype=torch.float64, device=device)
-    update[:1].fill_(factor)
+    update = torch.ones(2, dtype=dtype, device=device)
+    update[1:].fill_(factor)
     return update
+
+
+@functools.lru_cache(maxsize=256)
+def _divisor_terms(device: torch.device) -> torch.Tensor:
+    """``(4, 3, 1)`` float64: offsets, signs, lower and upper bounds of
+    :func:`count_divisors`, built once per device."""
+    inf = float("inf")
+    terms = [[0.0, -1.0, 0.0], [1.0, 1.0, -1.0], [1.0, 1.0, -inf], [inf, inf, -1.0]]
+    return _protocol.on_device(terms, torch.float64, device).unsqueeze(-1)
+
+
+def count_divisors(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[n, n - 1, -n]`` as a ``(3, 1)`` float64 column on ``device`` for the global count
+    ``n`` per channel, each at least 1 in magnitude: the divisors of the mean and biased
+    variance, of the unbiased variance, and of the input gradient's corrections (a
+    column: its rows broadcast against ``(C,)`` vectors, its first two against ``(2, C)``).
+
+    Two kernels for a count on the device, none read back.
+    """
+    if not isinstance(count, torch.Tensor):
+        return _host_count_divisors(count, device)
+    offsets, signs, lower, upper = _divisor_terms(device).unbind()
+    return torch.addcmul(offsets, signs, count).clamp_(lower, upper)
+
+
+@functools.lru_cache(maxsize=256)
+def _host_count_divisors(count: int, device: torch.device) -> torch.Tensor:
+    """:func:`count_divisors` of a count known on the host, built once per count (the
+    local batch size usually repeats from step to step)."""
+    n = float(max(count, 1))
+    return _protocol.on_device([[n], [float(max(count - 1, 1))], [-n]], torch.float64, device)
 
 
 def reduce_forward(
@@ -396,6 +424,7 @@ def reduce_forward(
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
     input_size: tuple[int, ...] | None = None,
+    update_dtype: torch.dtype = torch.float64,
 ) -> ReducedForward:
     """All-reduce a packed forward buffer and check it (at once, or deferred).
 
@@ -404,51 +433,32 @@ def reduce_forward(
         mode: ``"immediate"`` or ``"deferred"`` (from :func:`resolve_mode`).
         num_batches_tracked: read for a cumulative average (``momentum=None``).
         input_size: the local input's size, quoted by the "more than 1 value" error.
+        update_dtype: the dtype of a deferred call's :attr:`ReducedForward.update`: that
+            of the running statistics, which then need no conversion of the factor.
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     check = options.header_check("forward", input_size)
-    factor: float | torch.Tensor = 0.0 if options.momentum is None else options.momentum
+    momentum = options.momentum
     if mode == "immediate":
         global_count = _protocol.check_now(buffer, check).global_count
-        if options.momentum is None and num_batches_tracked is not None:
+        factor = 0.0 if momentum is None else momentum
+        if momentum is None and num_batches_tracked is not None:  # a cumulative average
             factor = 1.0 / (float(num_batches_tracked) + 1.0)
-        return ReducedForward(buffer, global_count, factor, None)
+        # an empty global batch moves nothing (a count of 1 has raised)
+        return ReducedForward(buffer, global_count, factor if global_count > 1 else 0.0, None)
     header = _protocol.header_values(buffer)
     _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
     count = _protocol.count_slot(buffer)
-    # a call whose checks fail moves no running statistics and counts no batch
-    ok = _protocol.device_ok(header, options.reducer.world_size, options.layer.fingerprint)
-    if options.momentum is None and num_batches_tracked is not None:
-        factor = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
-        update = torch.stack([factor, torch.ones_like(factor)]).mul_(ok)
-    else:  # one kernel: bool times float64 is float64
-        update = torch.mul(ok, counted_update(float(factor), buffer.device))
-    return ReducedForward(buffer, count, update[0], ok, update)
-
-
-def synchronize_moments(
-    buffer: torch.Tensor,
-    mode: str,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    options: TrainOptions,
-    input_size: tuple[int, ...] | None = None,
-) -> GlobalMoments:
-    """All-reduce a packed forward buffer, check it, and update the running statistics.
-
-    Arguments as for :func:`reduce_forward`.
-    """
-    reduced = reduce_forward(buffer, mode, num_batches_tracked, options, input_size)
-    count = reduced.global_count
-    mean, var = _stats.global_moments(_protocol.forward_sums(reduced.buffer), count)
-    if not is_recomputing():  # a checkpointed forward already updated them
-        _stats.update_running_stats(running_mean, running_var, mean, var, count, reduced.factor)
-        if num_batches_tracked is not None:
-            # a deferred check that fails counts no batch either (ok is 0 then)
-            ok = reduced.ok
-            num_batches_tracked.add_(1 if ok is None else ok)  # a bool adds 0 or 1
-    return GlobalMoments(mean, var, count)
+    # [the checks pass, and the global batch is not empty]: a call whose checks fail
+    # counts no batch and moves no running statistics
+    flags = _protocol.device_flags(header, options.reducer.world_size, options.layer.fingerprint)
+    if momentum is None and num_batches_tracked is not None:  # a cumulative average
+        average = num_batches_tracked.add(1).to(update_dtype).reciprocal_()
+        update = torch.stack([torch.ones_like(average), average]).mul_(flags)
+    else:  # one kernel: int64 times a float tensor is a float tensor
+        factor = 0.0 if momentum is None else momentum
+        update = torch.mul(flags, counted_update(factor, buffer.device, update_dtype))
+    return ReducedForward(buffer, count, update[1], flags[0], update)
 
 
 def synchronize_grads(
@@ -509,23 +519,38 @@ def forward_train(
         buffer = _protocol.pack_forward(
             moments.local_count, moments.total, moments.square_total, options.layer.fingerprint
         )
-    mean, var, count = synchronize_moments(
-        buffer,
-        mode,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        options,
-        tuple(input.shape),
+    running = first_given(running_mean, running_var)
+    update_dtype = torch.float64 if running is None else running.dtype
+    reduced = reduce_forward(
+        buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
     )
+    count = reduced.global_count
+    divisors = count_divisors(count, buffer.device)
+    mean, variances = _stats.moments_from_divisors(_protocol.forward_sums(reduced.buffer), divisors)
+    var, unbiased_var = variances.unbind()
     scale = _stats.scale(var, options.eps, weight)
     saved_input, saved_mean = input, mean
     if valid is not None:
         saved_input, saved_mean = backward_input(input, moments, mean, valid)
-    # row 0 is the mean of what backward takes as its input; normalize reads it only where
-    # that input has the input's values (no shifted copy to reuse: low precision, empty)
-    saved = torch.stack([saved_mean, var, scale]).to(_stats.stat_dtype(input.dtype))
-    output = kernels.normalize(input, moments, saved, mean, scale, weight, bias, options.eps, valid)
+    # the per-channel vectors the call needs, converted to the statistics dtype in two
+    # groups: what backward saves (see ForwardResult.saved), and the output's offset with
+    # the running statistics' targets
+    dtype = _stats.stat_dtype(input.dtype)
+    saved = torch.stack([saved_mean, var, scale, scale / divisors[2]]).to(dtype)
+    offset, running_mean_target, running_var_target = (
+        torch.stack([output_offset(moments.shift, mean, scale, bias), mean, unbiased_var])
+        .to(dtype)
+        .unbind()
+    )
+    if not is_recomputing():  # a checkpointed forward already updated them
+        _stats.update_running_stats(
+            running_mean, running_var, running_mean_target, running_var_target, reduced.factor
+        )
+        if num_batches_tracked is not None:
+            # a deferred check that fails counts no batch (its increment is 0)
+            increment = reduced.increment
+            num_batches_tracked.add_(1 if increment is None else increment)
+    output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
     return ForwardResult(output, saved, count, saved_input, valid)
 
 
@@ -568,7 +593,7 @@ def backward_train(
         saved: :attr:`ForwardResult.saved`: its mean is that of ``input``.
     """
     need_input, need_weight, need_bias = needs_grad
-    mean, var, _ = saved.unbind()
+    mean, var = saved[0], saved[1]
     kernels = kernels_for(input.device)
     if need_input:  # before the collective, as in forward (see resolve_mode)
         resolve_mode(options, saved.device)

@@ -188,7 +188,7 @@ def _options(
 
 
 def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
-    """``[factor, increment]`` of the running statistics' update, float64 on ``like``'s device.
+    """``[increment, factor]`` of the running statistics' update, float64 on ``like``'s device.
 
     Zeros in a forward recomputed by activation checkpointing (the original forward
     already updated them); a deferred check that fails gives zeros too (``ok`` is 0).

@@ -53,8 +53,9 @@ __all__ = [
 
 #: ``local moments -> (global moments, update)``: moments are ``(2 * C + 1,)`` float64
 #: ``[n, sum(x) (C), sum(x**2) (C)]``; ``update`` is ``None`` (nothing to update) or a
-#: ``(2,)`` float64 ``[factor, increment]``: the running statistics' momentum for this call
-#: (0 where they must not move) and what ``num_batches_tracked`` counts (0 or 1)
+#: ``(2,)`` float64 ``[increment, factor]``: what ``num_batches_tracked`` counts (0 or 1)
+#: and the running statistics' momentum for this call (0 where they must not move: a
+#: global batch of fewer than 2 values, a failed check)
 Exchange = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
@@ -210,7 +211,8 @@ def keep_local_cumulative(num_batches_tracked: torch.Tensor) -> Exchange:
 
     def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         factor = num_batches_tracked.add(1).to(torch.float64).reciprocal()
-        return moments, torch.stack([factor, torch.ones_like(factor)])
+        moves = moments[0] > 1  # an empty batch moves nothing
+        return moments, torch.stack([torch.ones_like(factor), factor * moves])
 
     return exchange
 
@@ -224,11 +226,10 @@ def _update_running_stats(
     var: torch.Tensor,
     update: torch.Tensor,
 ) -> None:
-    factor, increment = update.unbind()
+    increment, factor = update.unbind()
     with torch.no_grad():
-        _stats.update_running_stats(
-            running_mean, running_var, mean.detach(), var.detach(), count.detach(), factor
-        )
+        unbiased_var = _stats.unbiased(var.detach(), count.detach())
+        _stats.update_running_stats(running_mean, running_var, mean.detach(), unbiased_var, factor)
         if num_batches_tracked is not None:
             num_batches_tracked.add_(increment.to(num_batches_tracked.dtype))
 

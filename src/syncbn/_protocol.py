@@ -26,11 +26,12 @@ When the checks run
 The header of the all-reduced buffer is read back to the host and checked either at once
 (``"immediate"``: the default on CPU, where the read is free) or later
 (``"deferred"``: the default on accelerators, where a read waits for the device). A
-deferred check copies the five header numbers to pinned host memory without waiting and
-inspects them at the start of a later synchronized call, once the device has written
-them; it then raises naming the layer, the call and the direction where it went wrong.
-Until then, the call that went wrong computed with the sums it received, but it never
-moves running statistics: their update is masked on the device by the same checks.
+deferred check copies the header numbers (six forward, four backward) to pinned host
+memory without waiting and inspects them at the start of a later synchronized call, once
+the device has written them; it then raises naming the layer, the call and the direction
+where it went wrong. Until then, the call that went wrong computed with the sums it
+received, but it never moves running statistics: their update is masked on the device by
+the same checks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import functools
 import threading
 import zlib
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -53,13 +54,14 @@ __all__ = [
     "check_now",
     "count_slot",
     "defer_check",
-    "device_ok",
+    "device_flags",
     "discard_pending",
     "fingerprint",
     "forward_moments",
     "forward_size",
     "forward_sums",
     "header_values",
+    "on_device",
     "pack_backward",
     "pack_backward_sums",
     "pack_forward",
@@ -127,7 +129,7 @@ def _buffer_ends(
     """
     f = float(fingerprint)
     head = [float(error), f, f * f] + ([] if count is None else [float(count)])
-    ends = _on_device(head + [f], PACK_DTYPE, device)
+    ends = on_device(head + [f], PACK_DTYPE, device)
     return ends[:-1], ends[-1:]
 
 
@@ -165,7 +167,8 @@ def pack_backward(
 ) -> torch.Tensor:
     """Pack one rank's backward sums into a float64 buffer of ``backward_size(C)``.
 
-    The sums may be float32; ``torch.cat`` promotes them to the buffer's float64.
+    The sums may be float32; ``torch.cat`` promotes them to the buffer's float64 (in one
+    kernel on the CPU; CUDA's copies each input on its own when their dtypes differ).
     """
     head, trailer = _buffer_ends(fingerprint, None, error, sum_dy.device)
     return torch.cat([head, sum_dy, sum_dy_xhat, trailer])
@@ -241,11 +244,9 @@ def refuse_during_capture(device: torch.device) -> None:
         )
 
 
-def _on_device(
-    values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
+def on_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small constant tensor on ``device``, copied from pinned memory without waiting
-    (for the caches of this module: never during a CUDA graph capture)."""
+    (for syncbn's caches of constants: never during a CUDA graph capture)."""
     refuse_during_capture(device)
     tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
@@ -255,24 +256,26 @@ def _on_device(
 
 @functools.lru_cache(maxsize=256)
 def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Tensor:
-    slots = [0, 1, 2, length - 1] + ([_COUNT_SLOT] if forward else [])
-    return _on_device(slots, torch.int64, device)
+    """Error, fingerprint sums, trailer; then, for a forward buffer, the count twice (for
+    :func:`device_flags`, which compares it with two values)."""
+    slots = [0, 1, 2, length - 1] + ([_COUNT_SLOT, _COUNT_SLOT] if forward else [])
+    return on_device(slots, torch.int64, device)
 
 
 @functools.lru_cache(maxsize=1024)
 def _expected_header(world_size: int, fingerprint: int, device: torch.device) -> torch.Tensor:
-    """A passing forward header: no error, every rank's fingerprint; then a count of 1,
-    the one value the count slot must *not* hold."""
+    """A passing forward header: no error, every rank's fingerprint; then the counts that
+    the two count slots must *not* hold: 1 (an error), 0 (nothing to update)."""
     f = float(fingerprint)
-    return _on_device(
-        [0.0, world_size * f, world_size * f * f, world_size * f, 1.0], PACK_DTYPE, device
+    return on_device(
+        [0.0, world_size * f, world_size * f * f, world_size * f, 1.0, 0.0], PACK_DTYPE, device
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _passing_comparison(device: torch.device) -> torch.Tensor:
     """Which slots of a passing forward header equal :func:`_expected_header`'s."""
-    return _on_device([True, True, True, True, False], torch.bool, device)
+    return on_device([True, True, True, True, False, False], torch.bool, device)
 
 
 def header_values(buffer: torch.Tensor, forward: bool = True) -> torch.Tensor:
@@ -290,15 +293,19 @@ def read_header(buffer: torch.Tensor, forward: bool = True) -> Header:
     return _to_header(header_values(buffer, forward).tolist())
 
 
-def device_ok(values: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
-    """A 0-dim bool tensor on the buffer's device: no error flag, same layer, count != 1.
+def device_flags(values: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
+    """Two 0-or-1 int64 flags on the buffer's device, from a forward buffer's
+    :func:`header_values`, without reading anything back.
 
-    Computed without reading anything back from a forward buffer's :func:`header_values`;
-    used to mask the running-statistics update of a call whose checks are deferred.
+    ``[0]``: the checks pass (no error flag, the same layer on every rank, a global count
+    other than 1); the call counts a batch. ``[1]``: they pass and the global batch is not
+    empty; the running statistics move. Used where the checks are deferred.
     """
     expected = _expected_header(world_size, own_fingerprint, values.device)
-    # three kernels: on a GPU each costs a launch, on the host, per layer call
-    return torch.eq(values, expected).eq(_passing_comparison(values.device)).all()
+    passing = torch.eq(values, expected).eq(_passing_comparison(values.device))
+    # a running AND along the slots (three kernels: on a GPU each costs a launch on the
+    # host, per layer call); its last two entries are the flags
+    return passing.cumprod(0)[-2:]
 
 
 class LayerCall(Protocol):

@@ -20,8 +20,10 @@ import torch
 
 __all__ = [
     "global_moments",
+    "moments_from_divisors",
     "scale",
     "stat_dtype",
+    "unbiased",
     "unshifted_sums",
     "update_running_stats",
 ]
@@ -47,7 +49,8 @@ def unshifted_sums(
     ``sum(x**2) = sum((x - k)**2) + k (sum(x - k) + sum(x))``.
 
     Args:
-        shifted_sum, shifted_square_sum: ``(C,)`` float64 sums of ``x - shift`` and its square.
+        shifted_sum, shifted_square_sum: ``(C,)`` sums of ``x - shift`` and its square, in
+            float64 or a narrower dtype (type promotion computes in float64 then).
         shift: ``(C,)`` float64, the per-channel shift ``k``.
         count: the number of values summed per channel ``n``, a number or a 0-dim tensor.
     """
@@ -81,43 +84,61 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
     return inverse_std if weight is None else inverse_std * weight
 
 
+def moments_from_divisors(
+    sums: torch.Tensor, divisors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean, and the biased and unbiased variances, in float64: the forms of
+    :func:`global_moments` that a training call uses, in four kernels.
+
+    Args:
+        sums: ``(2, C)`` float64: the global ``sum(x)`` and ``sum(x**2)``.
+        divisors: ``(3, 1)`` float64: ``n`` and ``n - 1`` (at least 1 each) for the
+            global count ``n`` per channel, then the divisor of the input gradient's
+            corrections (``-n``, unused here).
+
+    Returns:
+        ``(mean, variances)``: ``(C,)``, and ``(2, C)`` whose rows are the biased variance
+        (normalization) and the unbiased one (running statistics).
+    """
+    total, square_total = sums.unbind()
+    mean = total / divisors[0]
+    # n times the biased variance: sum(x**2) - n * mean**2, at least 0
+    deviations = torch.addcmul(square_total, total, mean, value=-1).clamp_(min=0)
+    return mean, deviations / divisors[:2]
+
+
 def update_running_stats(
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     mean: torch.Tensor,
-    var: torch.Tensor,
-    count: int | torch.Tensor,
+    unbiased_var: torch.Tensor,
     factor: float | torch.Tensor,
 ) -> None:
     """Move the running statistics towards the global mean and unbiased variance, in place.
 
-    Nothing moves when the global batch has fewer than 2 values per channel. With a
-    tensor ``count`` that decision is a factor of 0 computed on the device.
-
     Args:
-        count: the global count per channel.
-        factor: the momentum of this update (already 0 for a call whose deferred checks
-            failed), a number or a 0-dim tensor.
+        factor: the momentum of this update, a number or a 0-dim tensor; 0 where nothing
+            may move (a global batch of fewer than 2 values per channel, a call whose
+            deferred checks failed), which the caller has decided.
     """
-    if isinstance(count, torch.Tensor):
-        if isinstance(factor, torch.Tensor):
-            factor = factor * count.gt(1)  # the factor's float64 times a bool
-        else:
-            factor = count.gt(1).to(count.dtype) * factor  # float64: a bool * float is float32
-        correction: float | torch.Tensor = count / (count - 1).clamp(min=1)
-    elif count > 1:
-        correction = count / (count - 1)
-    else:
-        return
+    if not isinstance(factor, torch.Tensor) and factor == 0.0:
+        return  # known on the host: nothing moves
     if running_mean is not None:
         buffer_factor = _like(factor, running_mean)
         running_mean.lerp_(mean.to(running_mean.dtype), buffer_factor)
     if running_var is not None:
-        unbiased = (var * correction).to(running_var.dtype)
         # the factor is converted once when both buffers have one dtype (a kernel on a GPU)
         if running_mean is None or running_mean.dtype != running_var.dtype:
             buffer_factor = _like(factor, running_var)
-        running_var.lerp_(unbiased, buffer_factor)
+        running_var.lerp_(unbiased_var.to(running_var.dtype), buffer_factor)
+
+
+def unbiased(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """The unbiased variance of ``count`` values per channel whose biased one is ``var``
+    (``var`` itself for fewer than 2 values)."""
+    if isinstance(count, torch.Tensor):
+        return var * (count / (count - 1).clamp(min=1))
+    return var * (count / (count - 1)) if count > 1 else var
 
 
 def _like(factor: float | torch.Tensor, target: torch.Tensor) -> float | torch.Tensor:

@@ -78,8 +78,7 @@ def normalize(
     input: torch.Tensor,
     moments: LocalMoments,
     saved: torch.Tensor,
-    mean: torch.Tensor,
-    scale: torch.Tensor,
+    offset: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
@@ -91,14 +90,12 @@ def normalize(
     dtype = saved.dtype
     fused = valid is None and dtype == input.dtype
     if not fused or centered is None or _dense_format(centered) is None:
-        return generic.normalize(input, moments, saved, mean, scale, weight, bias, eps, valid)
-    offset = generic.output_offset(moments.shift, mean, scale, bias)
+        return generic.normalize(input, moments, saved, offset, weight, bias, eps, valid)
+    _, _, scale, _ = saved.unbind()
     zeros, _, _ = generic.constants(scale.numel(), dtype, scale.device)
-    # saved[2]: the scale in the statistics dtype, converted once already; written into the
-    # shifted copy in place, as the generic passes do (each element is read, then written)
-    return torch.batch_norm_elemt(
-        centered, None, offset.to(dtype), zeros, saved[2], 0.0, out=centered
-    )
+    # written into the shifted copy in place, as the generic passes do (each element is
+    # read, then written)
+    return torch.batch_norm_elemt(centered, None, offset, zeros, scale, 0.0, out=centered)
 
 
 def input_grad(
@@ -121,7 +118,7 @@ def input_grad(
     memory_format = _dense_format(input)
     if grad_output.dtype != saved.dtype or input.numel() == 0 or memory_format is None:
         return generic.input_grad(grad_output, input, saved, eps, totals, count, valid)
-    mean, var, scale = saved.unbind()
+    mean, var, scale, _ = saved.unbind()
     inverse_std = (var + eps).rsqrt()
     sum_dy, sum_dy_xhat = totals.to(saved.dtype).unbind()
     # the kernel wants both gradients in the input's memory format

@@ -174,11 +174,9 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
         centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
     )
-    shift, shifted_sum, shifted_square_sum = (
-        torch.stack([shift.view(num_channels), shifted_sum, shifted_square_sum])
-        .to(_PACK_DTYPE)
-        .unbind()
-    )
+    # the sums stay in the statistics dtype: the float64 shift promotes the maths that
+    # adds it back to float64, inside those kernels
+    shift = shift.view(num_channels).to(_PACK_DTYPE)
     total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
     return LocalMoments(total, square_total, shift, centered, count)
 
@@ -198,8 +196,7 @@ def normalize(
     input: torch.Tensor,
     moments: LocalMoments,
     saved: torch.Tensor,
-    mean: torch.Tensor,
-    scale: torch.Tensor,
+    offset: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
@@ -208,10 +205,10 @@ def normalize(
     """The normalized output ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
     float32/float64: written into the shifted copy in place, as ``centered * scale +
-    offset`` with ``offset = bias + (shift - mean) * scale`` computed in float64 (two
-    fused passes; a single broadcasting ``addcmul`` is several times slower on CPU).
-    Low precision or an empty batch: one eval-mode ``batch_norm`` with the saved
-    statistics.
+    offset`` with ``offset = bias + (shift - mean) * scale`` (computed in float64 by the
+    caller: :func:`output_offset`; two fused passes, where a single broadcasting
+    ``addcmul`` is several times slower on CPU). Low precision or an empty batch: one
+    eval-mode ``batch_norm`` with the saved statistics.
 
     With ``valid`` (``(N, 1, *)`` bool), padded positions of the output are zero: the
     shifted copy is zero there, and the offset is added where valid only (one ``addcmul_``
@@ -219,31 +216,31 @@ def normalize(
     padded positions and finite, is what a masked backward takes as its input.
 
     Args:
-        saved: ``(3, C)`` mean, variance and scale in the statistics dtype. Its mean row
-            is read only by the ``batch_norm`` path (where it is the input's mean; a
-            masked call that reuses the shifted copy saves ``mean - shift`` there).
-        mean, scale: the same mean and scale in float64.
+        saved: the call's per-channel statistics in the statistics dtype
+            (:attr:`syncbn._autograd.ForwardResult.saved`): mean, variance, scale, and a
+            row that backward reads. Its mean row is read only by the ``batch_norm`` path
+            (where it is the input's mean; a masked call that reuses the shifted copy saves
+            ``mean - shift`` there).
+        offset: ``(C,)`` :func:`output_offset` in the statistics dtype.
     """
     dtype = saved.dtype
     centered = moments.centered
+    mean, var, scale, _ = saved.unbind()
     if centered is None or dtype != input.dtype:
-        mean_s, var_s, _ = saved.unbind()
         output = torch.batch_norm(
             input,
             None if weight is None else weight.to(dtype),
             None if bias is None else bias.to(dtype),
-            mean_s,
-            var_s,
+            mean,
+            var,
             False,
             0.0,
             eps,
             False,
         )
         return output if valid is None else zero_padded(output, valid, inplace=True)
-    offset = output_offset(moments.shift, mean, scale, bias)
     ndim = centered.dim()
-    scale = channel_view(saved[2], ndim)  # the scale in the statistics dtype, no conversion
-    offset = channel_view(offset.to(dtype), ndim)
+    scale, offset = channel_view(scale, ndim), channel_view(offset, ndim)
     if valid is None:
         return centered.mul_(scale).add_(offset)
     return torch.mul(centered, scale).addcmul_(valid.to(dtype), offset)
@@ -295,7 +292,8 @@ def input_grad(
     computed in two fused passes: an eval-mode ``batch_norm`` of ``x`` with weight
     :math:`-\gamma\sigma^{-1}\overline{dy\,\hat{x}}` and bias
     :math:`-\gamma\sigma^{-1}\overline{dy}` gives the last two terms, and one
-    ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format.
+    ``addcmul_`` adds :math:`\gamma\sigma^{-1} dy`. Keeps the input's memory format. The
+    means are the global sums times the saved row :math:`-\gamma\sigma^{-1} / n`.
 
     A masked call (``valid``) computes ``dy * s + x * a + valid * b`` in place in
     ``grad_output`` instead (three simple passes and no new tensor, ~40% less time on CPU
@@ -306,21 +304,18 @@ def input_grad(
     passes above and zeroes their result.
 
     Args:
-        saved: ``(3, C)``: the forward's mean, variance and scale :math:`\gamma\sigma^{-1}`.
+        saved: :attr:`syncbn._autograd.ForwardResult.saved`: the forward's mean, variance,
+            scale :math:`\gamma\sigma^{-1}`, and :math:`-\gamma\sigma^{-1} / n`.
         totals: ``(2, C)``: the global ``sum(dy)`` and ``sum(dy * xhat)``.
-        count: the global count per channel, a number or a 0-dim tensor on the device.
+        count: the global count per channel ``n``, a number or a 0-dim tensor on the device
+            (for kernels that divide by it themselves; these read the saved row).
         valid: ``(N, 1, *)`` bool, True at the valid positions of a masked call, or
             ``None``. With it, ``grad_output`` is zero at padded positions and this call's
             to overwrite (backward's zeroed copy of the output gradient), and ``input``
             is zero there too (:func:`syncbn._autograd.backward_input`).
     """
-    mean, var, scale = saved.unbind()
-    corrections = totals.to(scale.dtype).mul_(scale)
-    if isinstance(count, torch.Tensor):
-        corrections.div_(count.clamp(min=1).neg())
-    else:
-        corrections.mul_(-1.0 / max(count, 1))
-    correction_bias, correction_weight = corrections.unbind()
+    mean, var, scale, correction_scale = saved.unbind()
+    correction_bias, correction_weight = totals.to(scale.dtype).mul_(correction_scale)
     ndim = input.dim()
     if valid is not None and input.dtype == grad_output.dtype == scale.dtype:
         # batch_norm(x, w, b, mean, var) is x * a + (b - a * mean) with a = w / sqrt(var + eps)
