@@ -6,11 +6,12 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from torch import nn
 
-from syncbn import _autograd
+from syncbn import _autograd, _protocol
 
 # (world 2 sizes, world 3 sizes): uneven, and one rank empty
 SIZES: dict[int, list[tuple[int, ...]]] = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
@@ -89,3 +90,33 @@ def test_gold_with_deferred_checks(pool: WorkerPool, name: str, sizes_index: int
     case = dataclasses.replace(CASES[name], sizes=sizes, extra={"check_mode": "deferred"})
     per_rank = pool.run(run_rank, case)
     compare(case, per_rank, reference(case))
+
+
+@_NEEDS_CPU_FLOAT16
+@pytest.mark.parametrize("check_mode", ["immediate", "deferred"])
+def test_a_cumulative_average_in_float16_keeps_moving_past_65504_batches(check_mode: str) -> None:
+    """``momentum=None`` with float16 running statistics: the factor ``1 / (n + 1)`` is
+    computed in float64 and rounded once. Rounded to float16 first, ``n + 1`` became inf
+    past 65504 batches and the factor 0, with checks deferred (as on accelerators)."""
+    options = _autograd.TrainOptions(
+        _autograd.LocalReducer(),
+        _autograd.LayerInfo("cumulative", 3, check_mode=check_mode),
+        momentum=None,
+    )
+    x = torch.tensor([1.0, 3.0]).repeat(4, 3, 5).to(torch.float16)  # mean 2 per channel
+    running_mean = torch.zeros(3, dtype=torch.float16)
+    running_var = torch.ones(3, dtype=torch.float16)
+    counted = torch.tensor(70000)
+    _autograd.sync_batch_norm_train(
+        x,
+        None,
+        None,
+        options,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=counted,
+    )
+    _protocol.raise_deferred(wait=True)
+    assert int(counted) == 70001
+    expected = torch.full((3,), 2.0 / 70001)
+    torch.testing.assert_close(running_mean.float(), expected, rtol=1e-2, atol=0)

@@ -364,8 +364,8 @@ class ReducedForward(NamedTuple):
     #: the running statistics' factor for this call: 0 where they must not move (a global
     #: batch of fewer than 2 values, a deferred check that fails)
     factor: float | torch.Tensor
-    #: deferred checks: what ``num_batches_tracked`` counts, a 0-dim int64 tensor (0 where
-    #: they fail); ``None`` when immediate (the call counts, or it raised)
+    #: deferred checks: what ``num_batches_tracked`` counts, a 0-dim bool tensor (false
+    #: where they fail); ``None`` when immediate (the call counts, or it raised)
     increment: torch.Tensor | None
     #: deferred checks: ``[increment, factor]`` on the device, in float64 or the dtype
     #: :func:`reduce_forward` was given (:attr:`factor` is a view of its last value);
@@ -453,9 +453,10 @@ def reduce_forward(
     # counts no batch and moves no running statistics
     flags = _protocol.device_flags(header, options.reducer.world_size, options.layer.fingerprint)
     if momentum is None and num_batches_tracked is not None:  # a cumulative average
-        average = num_batches_tracked.add(1).to(update_dtype).reciprocal_()
-        update = torch.stack([torch.ones_like(average), average]).mul_(flags)
-    else:  # one kernel: int64 times a float tensor is a float tensor
+        # in float64, then rounded once: float16 cannot even hold a count above 65504
+        average = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
+        update = torch.stack([torch.ones_like(average), average]).mul_(flags).to(update_dtype)
+    else:  # one kernel: bool times a float tensor is a float tensor
         factor = 0.0 if momentum is None else momentum
         update = torch.mul(flags, counted_update(factor, buffer.device, update_dtype))
     return ReducedForward(buffer, count, update[1], flags[0], update)

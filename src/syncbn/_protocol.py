@@ -256,26 +256,32 @@ def on_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
 
 @functools.lru_cache(maxsize=256)
 def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Tensor:
-    """Error, fingerprint sums, trailer; then, for a forward buffer, the count twice (for
-    :func:`device_flags`, which compares it with two values)."""
-    slots = [0, 1, 2, length - 1] + ([_COUNT_SLOT, _COUNT_SLOT] if forward else [])
-    return on_device(slots, torch.int64, device)
+    """Error, fingerprint sums, trailer; for a forward buffer then the count, and the same
+    again with the count twice: two rows of six, which :func:`device_flags` compares."""
+    slots = [0, 1, 2, length - 1]
+    if not forward:
+        return on_device(slots, torch.int64, device)
+    # the first row's last slot repeats the error flag: both rows have six
+    rows = slots + [_COUNT_SLOT, 0] + slots + [_COUNT_SLOT, _COUNT_SLOT]
+    return on_device(rows, torch.int64, device)
 
 
 @functools.lru_cache(maxsize=1024)
 def _expected_header(world_size: int, fingerprint: int, device: torch.device) -> torch.Tensor:
-    """A passing forward header: no error, every rank's fingerprint; then the counts that
-    the two count slots must *not* hold: 1 (an error), 0 (nothing to update)."""
+    """A passing forward header (:func:`_header_slots`): no error, every rank's
+    fingerprint; then the counts that the count slots must *not* hold: 1 (an error), and
+    in the second row also 0 (nothing to update)."""
     f = float(fingerprint)
-    return on_device(
-        [0.0, world_size * f, world_size * f * f, world_size * f, 1.0, 0.0], PACK_DTYPE, device
-    )
+    fingerprints = [world_size * f, world_size * f * f, world_size * f]
+    rows = [0.0, *fingerprints, 1.0, 0.0] + [0.0, *fingerprints, 1.0, 0.0]
+    return on_device(rows, PACK_DTYPE, device)
 
 
 @functools.lru_cache(maxsize=256)
 def _passing_comparison(device: torch.device) -> torch.Tensor:
     """Which slots of a passing forward header equal :func:`_expected_header`'s."""
-    return on_device([True, True, True, True, False, False], torch.bool, device)
+    rows = [True, True, True, True, False, True] + [True, True, True, True, False, False]
+    return on_device(rows, torch.bool, device)
 
 
 def header_values(buffer: torch.Tensor, forward: bool = True) -> torch.Tensor:
@@ -294,7 +300,7 @@ def read_header(buffer: torch.Tensor, forward: bool = True) -> Header:
 
 
 def device_flags(values: torch.Tensor, world_size: int, own_fingerprint: int) -> torch.Tensor:
-    """Two 0-or-1 int64 flags on the buffer's device, from a forward buffer's
+    """Two bool flags on the buffer's device, from a forward buffer's
     :func:`header_values`, without reading anything back.
 
     ``[0]``: the checks pass (no error flag, the same layer on every rank, a global count
@@ -303,9 +309,9 @@ def device_flags(values: torch.Tensor, world_size: int, own_fingerprint: int) ->
     """
     expected = _expected_header(world_size, own_fingerprint, values.device)
     passing = torch.eq(values, expected).eq(_passing_comparison(values.device))
-    # a running AND along the slots (three kernels: on a GPU each costs a launch on the
-    # host, per layer call); its last two entries are the flags
-    return passing.cumprod(0)[-2:]
+    # one row per flag, reduced at once (three kernels: on a GPU each costs a launch on the
+    # host, per layer call)
+    return passing.view(2, -1).all(dim=1)
 
 
 class LayerCall(Protocol):

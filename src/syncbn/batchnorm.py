@@ -192,8 +192,10 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             return traced  # type: ignore[no-any-return]
         compiling = _compiled.is_compiling()
         if not compiling and isinstance(input, torch.Tensor):  # (else: refused in its path)
-            # a side effect dynamo refuses inside checkpointing
-            self.last_input_dim = input.dim()
+            # a side effect dynamo refuses inside checkpointing; a plain attribute, set past
+            # torch.nn.Module.__setattr__ (microseconds per call, looking for a parameter,
+            # buffer or module of that name)
+            self.__dict__["last_input_dim"] = input.dim()
         if not self.training:
             return self._eval_forward(input, mask)
         synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
