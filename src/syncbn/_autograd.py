@@ -396,26 +396,24 @@ def _divisor_terms(device: torch.device) -> torch.Tensor:
     return _protocol.on_device(terms, torch.float64, device).unsqueeze(-1)
 
 
-def count_divisors(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``[n, n - 1, -n]`` as a ``(3, 1)`` float64 column on ``device`` for the global count
-    ``n`` per channel, each at least 1 in magnitude: the divisors of the mean and biased
-    variance, of the unbiased variance, and of the input gradient's corrections (a
-    column: its rows broadcast against ``(C,)`` vectors, its first two against ``(2, C)``).
+#: ``(n, n - 1, -n)`` of a global count known on the host (see :func:`count_divisors`)
+HostDivisors = tuple[float, float, float]
 
-    Two kernels for a count on the device, none read back.
+
+def count_divisors(count: int | torch.Tensor, device: torch.device) -> torch.Tensor | HostDivisors:
+    """``[n, n - 1, -n]`` for the global count ``n`` per channel, each at least 1 in
+    magnitude: the divisors of the mean and biased variance, of the unbiased variance, and
+    of the input gradient's corrections.
+
+    For a count on the device, a ``(3, 1)`` float64 column there (its rows broadcast
+    against ``(C,)`` vectors, its first two against ``(2, C)``), in two kernels and with
+    nothing read back; for a count known on the host, numbers.
     """
     if not isinstance(count, torch.Tensor):
-        return _host_count_divisors(count, device)
+        n = float(max(count, 1))
+        return n, float(max(count - 1, 1)), -n
     offsets, signs, lower, upper = _divisor_terms(device).unbind()
     return torch.addcmul(offsets, signs, count).clamp_(lower, upper)
-
-
-@functools.lru_cache(maxsize=256)
-def _host_count_divisors(count: int, device: torch.device) -> torch.Tensor:
-    """:func:`count_divisors` of a count known on the host, built once per count (the
-    local batch size usually repeats from step to step)."""
-    n = float(max(count, 1))
-    return _protocol.on_device([[n], [float(max(count - 1, 1))], [-n]], torch.float64, device)
 
 
 def reduce_forward(
@@ -527,30 +525,32 @@ def forward_train(
     )
     count = reduced.global_count
     divisors = count_divisors(count, buffer.device)
-    mean, variances = _stats.moments_from_divisors(_protocol.forward_sums(reduced.buffer), divisors)
-    var, unbiased_var = variances.unbind()
+    sums = _protocol.forward_sums(reduced.buffer)
+    mean, var, unbiased_var = _stats.moments_from_divisors(sums, divisors)
     scale = _stats.scale(var, options.eps, weight)
     saved_input, saved_mean = input, mean
     if valid is not None:
         saved_input, saved_mean = backward_input(input, moments, mean, valid)
     # the per-channel vectors the call needs, converted to the statistics dtype in two
     # groups: what backward saves (see ForwardResult.saved), and the output's offset with
-    # the running statistics' targets
+    # the running statistics' targets, if there are running statistics
     dtype = _stats.stat_dtype(input.dtype)
     saved = torch.stack([saved_mean, var, scale, scale / divisors[2]]).to(dtype)
-    offset, running_mean_target, running_var_target = (
-        torch.stack([output_offset(moments.shift, mean, scale, bias), mean, unbiased_var])
-        .to(dtype)
-        .unbind()
-    )
-    if not is_recomputing():  # a checkpointed forward already updated them
-        _stats.update_running_stats(
-            running_mean, running_var, running_mean_target, running_var_target, reduced.factor
+    offset = output_offset(moments.shift, mean, scale, bias)
+    if running_mean is None and running_var is None:
+        offset = offset.to(dtype)
+    else:
+        offset, running_mean_target, running_var_target = (
+            torch.stack([offset, mean, unbiased_var]).to(dtype).unbind()
         )
-        if num_batches_tracked is not None:
-            # a deferred check that fails counts no batch (its increment is 0)
-            increment = reduced.increment
-            num_batches_tracked.add_(1 if increment is None else increment)
+        if not is_recomputing():  # a checkpointed forward already updated them
+            _stats.update_running_stats(
+                running_mean, running_var, running_mean_target, running_var_target, reduced.factor
+            )
+    if num_batches_tracked is not None and not is_recomputing():
+        # a deferred check that fails counts no batch (its increment is 0)
+        increment = reduced.increment
+        num_batches_tracked.add_(1 if increment is None else increment)
     output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
     return ForwardResult(output, saved, count, saved_input, valid)
 

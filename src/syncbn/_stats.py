@@ -85,26 +85,25 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
 
 
 def moments_from_divisors(
-    sums: torch.Tensor, divisors: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean, and the biased and unbiased variances, in float64: the forms of
+    sums: torch.Tensor, divisors: torch.Tensor | tuple[float, float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global mean, biased and unbiased variances, in float64: the forms of
     :func:`global_moments` that a training call uses, in four kernels.
 
     Args:
         sums: ``(2, C)`` float64: the global ``sum(x)`` and ``sum(x**2)``.
-        divisors: ``(3, 1)`` float64: ``n`` and ``n - 1`` (at least 1 each) for the
-            global count ``n`` per channel, then the divisor of the input gradient's
-            corrections (``-n``, unused here).
-
-    Returns:
-        ``(mean, variances)``: ``(C,)``, and ``(2, C)`` whose rows are the biased variance
-        (normalization) and the unbiased one (running statistics).
+        divisors: ``n`` and ``n - 1`` (at least 1 each) for the global count ``n`` per
+            channel, then the divisor of the input gradient's corrections (``-n``, unused
+            here): a ``(3, 1)`` float64 tensor, or numbers for a count known on the host.
     """
     total, square_total = sums.unbind()
     mean = total / divisors[0]
     # n times the biased variance: sum(x**2) - n * mean**2, at least 0
     deviations = torch.addcmul(square_total, total, mean, value=-1).clamp_(min=0)
-    return mean, deviations / divisors[:2]
+    if isinstance(divisors, torch.Tensor):
+        var, unbiased_var = (deviations / divisors[:2]).unbind()
+        return mean, var, unbiased_var
+    return mean, deviations / divisors[0], deviations / divisors[1]
 
 
 def update_running_stats(
