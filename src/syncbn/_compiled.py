@@ -191,7 +191,7 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     """``[increment, factor]`` of the running statistics' update, float64 on ``like``'s device.
 
     Zeros in a forward recomputed by activation checkpointing (the original forward
-    already updated them); a deferred check that fails gives zeros too (``ok`` is 0).
+    already updated them); a deferred check that fails gives zeros too (its flags are 0).
     """
     if is_recomputing():
         return like.new_zeros(2)
