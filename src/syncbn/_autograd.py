@@ -28,6 +28,7 @@ from syncbn._kernels import LocalMoments, kernels_for
 from syncbn._kernels.generic import output_offset
 
 __all__ = [
+    "HostDivisors",
     "LayerInfo",
     "LocalReducer",
     "ProcessGroupReducer",
