@@ -44,7 +44,8 @@ _ALLOCATIONS = frozenset({"empty", "empty_strided"})
 
 
 class _Ops(TorchDispatchMode):
-    """Records the name of every aten call, and of those that are not views (kernels)."""
+    """Records the name of every aten call, and of the kernels they launch on a GPU (not
+    views, not bare allocations; see :func:`_launches`)."""
 
     def __init__(self) -> None:
         super().__init__()
