@@ -176,34 +176,6 @@ def test_device_unsupported_by_backend_names_both(pool2: WorkerPool) -> None:
         assert "'meta'" in message and "'gloo'" in message
 
 
-def _device_check_remembered(rank: int, world_size: int) -> tuple[int, tuple[str, str]]:
-    cpu, meta = torch.device("cpu"), torch.device("meta")
-    distributed.check_device_backend(cpu, None)  # passes, and is remembered for the group
-    real = dist.get_backend
-    asked: list[object] = []
-
-    def counted(group: object = None) -> str:
-        asked.append(group)
-        return str(real(group))  # type: ignore[arg-type]
-
-    dist.get_backend = counted  # type: ignore[assignment]
-    try:
-        distributed.check_device_backend(cpu, None)
-        refused = outcome(distributed.check_device_backend, meta, None)
-    finally:
-        dist.get_backend = real
-    return len(asked), refused
-
-
-def test_a_device_type_that_passed_for_a_group_is_not_checked_again(pool2: WorkerPool) -> None:
-    """The check runs before every collective; what passed once for a group (whose backend
-    never changes) passes without asking torch.distributed, and other devices are still
-    refused."""
-    for asked, (kind, message) in pool2.run(_device_check_remembered):
-        assert asked == 1  # only for the meta device
-        assert kind == "RuntimeError" and "'meta'" in message and "'gloo'" in message
-
-
 @pytest.mark.parametrize(
     ("backend", "device", "supported"),
     [

@@ -127,27 +127,13 @@ def _supported_device_types(backend: str) -> frozenset[str] | None:
     return frozenset(devices)
 
 
-#: per process group, the device types :func:`check_device_backend` has passed (a group's
-#: backend never changes; the group is held weakly)
-_passed_device_types: weakref.WeakKeyDictionary[dist.ProcessGroup, frozenset[str]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def check_device_backend(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     """Raise a clear error if ``group``'s backend cannot all_reduce tensors on ``device``.
-
-    Called before every collective: a device type that passed once for a group passes
-    again without asking ``torch.distributed`` (a few microseconds per call otherwise).
 
     Raises:
         RuntimeError: naming the device type and the backend, e.g. CPU tensors on an
             nccl group.
     """
-    resolved = dist.group.WORLD if group is None else group
-    passed = frozenset() if resolved is None else _passed_device_types.get(resolved, frozenset())
-    if device.type in passed:
-        return
     backend = str(dist.get_backend(group))
     supported = _supported_device_types(backend)
     if supported is not None and device.type not in supported:
@@ -157,8 +143,6 @@ def check_device_backend(device: torch.device, group: dist.ProcessGroup | None =
             "input to a supported device, or pass a process_group created with a backend that "
             "supports this device (e.g. gloo for cpu, nccl for cuda)"
         )
-    if resolved is not None:
-        _passed_device_types[resolved] = passed | {device.type}
 
 
 def all_reduce_sum_(buffer: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
