@@ -392,6 +392,31 @@ def test_deferred_checks_of_a_destroyed_group_do_not_reach_a_new_one(pool2: Work
     assert failed["destroyed"] == other["destroyed"] == [True, True, False]
 
 
+def _call_on_a_destroyed_group(rank: int, world_size: int, check_mode: str) -> dict[str, Any]:
+    """A layer that still holds its process group after ``destroy_process_group``."""
+    group = dist.new_group(list(range(world_size)))
+    layer = syncbn.SyncBatchNorm(3, process_group=group)
+    layer.check_mode = check_mode
+    layer(torch.randn(4, 3))  # one call while the group lives
+    dist.destroy_process_group(group)
+    called = outcome(lambda: layer(torch.randn(4, 3)))
+    assert layer.num_batches_tracked is not None
+    return {"called": called, "counted": int(layer.num_batches_tracked)}
+
+
+@pytest.mark.parametrize("check_mode", ["immediate", "deferred"])
+def test_a_layer_whose_group_was_destroyed_raises_and_updates_nothing(
+    pool2: WorkerPool, check_mode: str
+) -> None:
+    """torch.distributed refuses a destroyed group before syncbn's collective (a cache of the
+    device check once skipped that refusal: the call ran on the destroyed gloo group and
+    moved the running statistics)."""
+    for result in pool2.run(_call_on_a_destroyed_group, check_mode, timeout=60.0):
+        kind, _ = result["called"]
+        assert kind in ("ValueError", "RuntimeError"), result
+        assert result["counted"] == 1, result
+
+
 class _EventThatMustNotBeQueried:
     def query(self) -> bool:
         raise AssertionError("a CUDA event was queried")
