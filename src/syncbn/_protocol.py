@@ -26,9 +26,9 @@ When the checks run
 The header of the all-reduced buffer is read back to the host and checked either at once
 (``"immediate"``: the default on CPU, where the read is free) or later
 (``"deferred"``: the default on accelerators, where a read waits for the device). A
-deferred check copies the header numbers (six forward, four backward) to pinned host
-memory without waiting and inspects them at the start of a later synchronized call, once
-the device has written them; it then raises naming the layer, the call and the direction
+deferred check copies the header numbers (forward two rows of six, backward four) to
+pinned host memory without waiting and inspects them at the start of a later synchronized
+call, once the device has written them; it then raises naming the layer, the call and the direction
 where it went wrong. Until then, the call that went wrong computed with the sums it
 received, but it never moves running statistics: their update is masked on the device by
 the same checks.
