@@ -410,10 +410,11 @@ def test_a_layer_whose_group_was_destroyed_raises_and_updates_nothing(
 ) -> None:
     """torch.distributed refuses a destroyed group before syncbn's collective (a cache of the
     device check once skipped that refusal: the call ran on the destroyed gloo group and
-    moved the running statistics)."""
+    moved the running statistics). torch 2.13 raises a ValueError there, torch 2.1 an
+    AssertionError."""
     for result in pool2.run(_call_on_a_destroyed_group, check_mode, timeout=60.0):
         kind, _ = result["called"]
-        assert kind in ("ValueError", "RuntimeError"), result
+        assert kind in ("ValueError", "RuntimeError", "AssertionError"), result
         assert result["counted"] == 1, result
 
 
