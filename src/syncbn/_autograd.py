@@ -538,17 +538,18 @@ def forward_train(
     dtype = _stats.stat_dtype(input.dtype)
     saved = torch.stack([saved_mean, var, scale, scale / divisors[2]]).to(dtype)
     offset = output_offset(moments.shift, mean, scale, bias)
+    recomputing = is_recomputing()  # a checkpointed forward already updated the buffers
     if running_mean is None and running_var is None:
         offset = offset.to(dtype)
     else:
         offset, running_mean_target, running_var_target = (
             torch.stack([offset, mean, unbiased_var]).to(dtype).unbind()
         )
-        if not is_recomputing():  # a checkpointed forward already updated them
+        if not recomputing:
             _stats.update_running_stats(
                 running_mean, running_var, running_mean_target, running_var_target, reduced.factor
             )
-    if num_batches_tracked is not None and not is_recomputing():
+    if num_batches_tracked is not None and not recomputing:
         # a deferred check that fails counts no batch (its increment is 0)
         increment = reduced.increment
         num_batches_tracked.add_(1 if increment is None else increment)

@@ -88,7 +88,8 @@ def moments_from_divisors(
     sums: torch.Tensor, divisors: torch.Tensor | tuple[float, float, float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global mean, biased and unbiased variances, in float64: the forms of
-    :func:`global_moments` that a training call uses, in four kernels.
+    :func:`global_moments` that an eager training call uses (four kernels for a count on
+    the device).
 
     Args:
         sums: ``(2, C)`` float64: the global ``sum(x)`` and ``sum(x**2)``.
