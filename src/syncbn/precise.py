@@ -283,7 +283,7 @@ def recompute_statistics(
             continue
         mean, var = _stats.global_moments(_protocol.forward_sums(layer_buffer), count)
         layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-        layer.running_var.copy_(var * (count / (count - 1)))  # type: ignore[union-attr]
+        layer.running_var.copy_(_stats.unbiased(var, count))  # type: ignore[union-attr]
 
 
 def _packed(
