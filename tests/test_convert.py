@@ -628,6 +628,33 @@ def test_buffers_a_subclass_adds_are_kept_both_ways() -> None:
     assert model[0].seen is seen and int(seen) == 9 and model[0].scratch is scratch
 
 
+@pytest.mark.parametrize("entries", [("running_mean", "running_var"), ("weight", "bias")])
+def test_entries_set_to_none_stay_none_both_ways(entries: tuple[str, ...]) -> None:
+    """A BatchNorm whose running statistics (batch statistics in eval too) or affine
+    Parameters the model set to ``None`` converts to a layer without them, which computes
+    what it did, and reverts to one without them (the twin kept meta-device placeholders)."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+    for name in entries:
+        setattr(bn, name, None)
+    reference = copy.deepcopy(bn)
+    model = nn.Sequential(bn)
+    syncbn.convert_sync_batchnorm(model)
+    layer = model[0]
+    assert type(layer) is syncbn.SyncBatchNorm
+    assert all(getattr(layer, name) is None for name in entries)
+    assert model.state_dict().keys() == nn.Sequential(reference).state_dict().keys()
+    x = torch.randn(4, 3, 5, 5)
+    for training in (True, False):
+        model.train(training)
+        reference.train(training)
+        torch.testing.assert_close(model(x), reference(x))
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm2d
+    assert all(getattr(model[0], name) is None for name in entries)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
 def test_converting_again_keeps_the_layers_settings() -> None:
     """A converted model converted again (a framework converting what the user converted)
     keeps ``check_layer_order`` unless it is given."""

@@ -65,12 +65,15 @@ _LOADED_PACKAGES: set[str] = set()
 def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
     """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode.
 
-    A buffer that ``target`` does not have (one a BatchNorm subclass adds) is registered
-    on it, persistent or not as on ``source``, so that ``state_dict`` keeps its key.
+    An entry that ``source`` holds as ``None`` is ``None`` on ``target`` too: torch's
+    ``bias=False``, or running statistics (or an affine weight) that the model set to
+    ``None``. A buffer that ``target`` does not have (one a BatchNorm subclass adds) is
+    registered on it, persistent or not as on ``source``, so that ``state_dict`` keeps its key.
     """
-    for name, param in source.named_parameters(recurse=False):
-        setattr(target, name, param)
-    for name, buffer in source.named_buffers(recurse=False):
+    # _parameters and _buffers, not named_parameters(): those skip the None entries
+    for name, param in source._parameters.items():
+        target.register_parameter(name, param)
+    for name, buffer in source._buffers.items():
         if name in target._buffers:
             setattr(target, name, buffer)
         else:
@@ -97,9 +100,7 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         device="meta",
         **kwargs,
     )
-    if source.affine and _without(source, "bias"):  # torch >= 2.13's bias=False
-        twin.register_parameter("bias", None)
-    share_state(source, twin)
+    share_state(source, twin)  # None entries too (torch >= 2.13's bias=False)
     # a SyncBatchNorm built on the meta device now holds tensors on another device
     prepare = getattr(twin, "_prepare_order_token", None)
     if prepare is not None:
@@ -236,11 +237,6 @@ def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
 def describe_module(module: nn.Module, path: str) -> str:
     """``'path' (ClassName)`` for warnings that list modules (the class name for the root)."""
     return f"'{path or type(module).__name__}' ({type(module).__qualname__})"
-
-
-def _without(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` has no Parameter ``name``, registered as ``None`` (``bias=False``)."""
-    return name in module._parameters and module._parameters[name] is None
 
 
 def computed_parameters(module: nn.Module) -> bool:
