@@ -154,6 +154,56 @@ def test_gradcheck_at_world_size_one(pool2: WorkerPool) -> None:
     assert pool2.run(_gradcheck_alone) == [True, True]
 
 
+def _double_backward(rank: int, world_size: int, head_trainable: bool) -> tuple[str, str]:
+    """A gradient penalty through a synchronized layer, whose output feeds a trainable or a
+    frozen head (with a frozen one the output gradient needs no grad, and
+    ``once_differentiable`` returned second derivatives that were silently wrong)."""
+    torch.manual_seed(rank)
+    bn = syncbn.SyncBatchNorm(3).double()
+    head = torch.nn.Linear(3, 1).double().requires_grad_(head_trainable)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def penalty() -> None:
+        (gradient,) = torch.autograd.grad(head(bn(x)).sum(), x, create_graph=True)
+        gradient.pow(2).sum().backward()
+
+    result = outcome(penalty)
+    # every rank raised before the collective and joined it with the error flag: the
+    # group is still in step
+    assert outcome(lambda: bn(torch.randn(2, 3, dtype=torch.float64)).sum().backward()) == (
+        "ok",
+        "",
+    )
+    return result
+
+
+@pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
+def test_double_backward_raises_on_every_rank(pool2: WorkerPool, head_trainable: bool) -> None:
+    for kind, message in pool2.run(_double_backward, head_trainable):
+        assert kind == "RuntimeError", message
+        assert "trying to differentiate twice" in message and "create_graph=True" in message
+
+
+@pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
+def test_double_backward_raises_for_a_masked_call_alone(head_trainable: bool) -> None:
+    """Without a process group a masked call runs the same backward; an unmasked call is
+    torch's BatchNorm, which differentiates twice (here against torch itself)."""
+    torch.manual_seed(0)
+    bn = syncbn.SyncBatchNorm(3).double()
+    head = torch.nn.Linear(3, 1).double().requires_grad_(head_trainable)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(head(bn(x, mask).transpose(1, 2)).sum(), x, create_graph=True)
+    penalties = []
+    for layer in (bn, torch.nn.BatchNorm1d(3).double()):
+        (gradient,) = torch.autograd.grad(
+            head(layer(x).transpose(1, 2)).sum(), x, create_graph=True
+        )
+        penalties.append(torch.autograd.grad(gradient.pow(2).sum(), x)[0])
+    torch.testing.assert_close(penalties[0], penalties[1])
+
+
 def _outside_group(rank: int, world_size: int) -> tuple[str, str]:
     group = dist.new_group([0])
     bn = syncbn.SyncBatchNorm(3, process_group=group)

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
@@ -39,6 +38,7 @@ __all__ = [
     "backward_train",
     "count_divisors",
     "counted_update",
+    "double_backward_error",
     "first_given",
     "forward_train",
     "input_problem",
@@ -582,11 +582,14 @@ def backward_train(
     needs_grad: tuple[bool, bool, bool],
     options: TrainOptions,
     valid: torch.Tensor | None = None,
+    create_graph: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of input, weight and bias (``None`` where ``needs_grad`` is false).
 
     The collective happens only when the input needs a gradient, which is the same on
-    every rank. An exception before it joins it with the error flag, as in forward.
+    every rank. An exception before it joins it with the error flag, as in forward: so
+    does a backward asked for a differentiable result (``create_graph``), which this one
+    cannot give (:func:`double_backward_error`).
     A masked call (``valid``) zeroes the output gradient at padded positions first
     (whatever it holds there, it then adds nothing to the sums; ``input`` is the forward's
     :attr:`ForwardResult.backward_input`, already zero there); the kernels' input gradient
@@ -601,6 +604,8 @@ def backward_train(
     if need_input:  # before the collective, as in forward (see resolve_mode)
         resolve_mode(options, saved.device)
     with join_on_error(options, "backward", saved.device, enabled=need_input):
+        if create_graph:
+            raise double_backward_error()
         if valid is not None:
             grad_output = kernels.zero_padded(grad_output, valid)
         sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
@@ -613,6 +618,22 @@ def backward_train(
             grad_output, input, saved, options.eps, totals, count, valid
         )
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
+
+
+def double_backward_error() -> RuntimeError:
+    """The error of a synchronized or masked backward run with ``create_graph=True``.
+
+    Its gradients are computed once, with no graph: differentiating them again (a gradient
+    penalty through the layer) would treat them as constants. ``once_differentiable`` raises
+    only when the output gradient itself requires grad, and returns silently wrong second
+    derivatives when it does not (a frozen head after the layer); this raises in both cases.
+    """
+    return RuntimeError(
+        "SyncBatchNorm: trying to differentiate twice: the synchronized (or masked) backward "
+        "is differentiable once, and backward was called with create_graph=True (double "
+        "backward, as a gradient penalty through the layer needs, is not supported). Without "
+        "a process group and without a mask the layer is torch's BatchNorm, which supports it"
+    )
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -643,20 +664,23 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return result.output
 
     @staticmethod
-    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        # grad mode is on in backward exactly when it runs with create_graph=True
+        create_graph = torch.is_grad_enabled()
         input, saved, valid = ctx.saved_tensors
-        grad_input, grad_weight, grad_bias = backward_train(
-            grad_output,
-            input,
-            saved,
-            ctx.count,
-            tuple(ctx.needs_input_grad[:3]),
-            ctx.options,
-            valid,
-        )
+        with torch.no_grad():
+            grad_input, grad_weight, grad_bias = backward_train(
+                grad_output,
+                input,
+                saved,
+                ctx.count,
+                tuple(ctx.needs_input_grad[:3]),
+                ctx.options,
+                valid,
+                create_graph,
+            )
         weight_dtype, bias_dtype = ctx.param_dtypes
         return (
             grad_input,
