@@ -11,6 +11,7 @@ from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from torch import nn
 
+import syncbn
 from syncbn import _autograd, _protocol
 
 # (world 2 sizes, world 3 sizes): uneven, and one rank empty
@@ -120,3 +121,69 @@ def test_a_cumulative_average_in_float16_keeps_moving_past_65504_batches(check_m
     assert int(counted) == 70001
     expected = torch.full((3,), 2.0 / 70001)
     torch.testing.assert_close(running_mean.float(), expected, rtol=1e-2, atol=0)
+
+
+#: inputs whose strides are not simply contiguous: what torch's batch norm makes of them is
+#: its ``suggest_memory_format`` (contiguous unless the strides are channels last)
+_LAYOUTS = {
+    "NC-transposed": lambda dtype: torch.randn(3, 5, dtype=dtype).t(),
+    "NLC-transposed": lambda dtype: torch.randn(4, 7, 3, dtype=dtype).transpose(1, 2),
+    "HW-transposed": lambda dtype: torch.randn(2, 3, 5, 4, dtype=dtype).transpose(2, 3),
+    "contiguous-sliced": lambda dtype: torch.randn(2, 3, 6, 5, dtype=dtype)[..., ::2],
+    "channels-last": lambda dtype: torch.randn(2, 3, 6, 5, dtype=dtype).contiguous(
+        memory_format=torch.channels_last
+    ),
+    "channels-last-sliced": lambda dtype: torch.randn(2, 3, 6, 5, dtype=dtype).contiguous(
+        memory_format=torch.channels_last
+    )[:, :, ::2],
+    "channels-last-3d-sliced": lambda dtype: torch.randn(2, 3, 4, 3, 5, dtype=dtype).contiguous(
+        memory_format=torch.channels_last_3d
+    )[..., 1:],
+}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_the_output_is_laid_out_as_batchnorm_lays_it_out(
+    layout: str, dtype: torch.dtype, masked: bool
+) -> None:
+    """A synchronized call's output has torch's strides, so that ``.view`` works on it as on
+    BatchNorm's: a transposed ``(N, L, C)`` batch (a Conformer's ``x.transpose(1, 2)``) gave
+    an output in the transposed layout. A mask of all-valid positions changes nothing."""
+    torch.manual_seed(0)
+    x = _LAYOUTS[layout](dtype)
+    channels = x.shape[1]
+    param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    reference = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[
+        x.dim()
+    ](channels, dtype=param_dtype)
+    reference.weight.data.uniform_(0.5, 2.0)
+    reference.bias.data.normal_()
+    expected = reference(x)
+    options = _autograd.TrainOptions(
+        _autograd.LocalReducer(), _autograd.LayerInfo("layout", channels)
+    )
+    mask = torch.ones(x.shape[:1] + x.shape[2:], dtype=torch.bool) if masked else None
+    output = _autograd.sync_batch_norm_train(
+        x, reference.weight, reference.bias, options, mask=mask
+    )
+    # the same strides: a view that works on BatchNorm's output works on this one
+    assert output.stride() == expected.stride(), (output.stride(), expected.stride())
+    torch.testing.assert_close(output, expected)
+
+
+def test_a_layer_whose_tracking_was_switched_off_leaves_its_buffers_alone() -> None:
+    """As torch's layers do, training passes no running statistics when tracking was switched
+    off after the layer was built (it passed them with a factor of 0, which wrote 0 * NaN
+    into them)."""
+    layer, reference = syncbn.SyncBatchNorm(2), nn.BatchNorm1d(2)
+    for bn in (layer, reference):
+        bn.track_running_stats = False
+    x = torch.tensor([[1.0, float("nan")], [3.0, 1.0], [2.0, 0.0]])
+    torch.testing.assert_close(layer(x), reference(x), equal_nan=True)
+    for bn in (layer, reference):
+        assert bn.running_mean is not None and bn.running_var is not None
+        assert bn.num_batches_tracked is not None
+        assert bn.running_mean.tolist() == [0.0, 0.0] and bn.running_var.tolist() == [1.0, 1.0]
+        assert int(bn.num_batches_tracked) == 0

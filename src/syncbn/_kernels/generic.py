@@ -27,6 +27,7 @@ __all__ = [
     "input_grad",
     "local_moments",
     "normalize",
+    "output_format",
     "output_offset",
     "zero_padded",
 ]
@@ -66,12 +67,62 @@ def constants(
     return zeros, zeros + 1, zeros.new_empty(0)
 
 
+#: the dimensions of a channels-last tensor, from the smallest stride to the largest
+_CHANNELS_LAST_ORDER = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}
+
+
+def _channels_last_like(input: torch.Tensor) -> bool:
+    """Whether torch's ``suggest_memory_format`` calls ``input``'s strides channels last.
+
+    The strides must grow in channels-last order (each at least the extent of the dimension
+    before it); torch resolves the ambiguous cases (a zero channel stride, an empty
+    dimension, strides that do not tell channels from samples) as contiguous.
+    """
+    order = _CHANNELS_LAST_ORDER.get(input.dim())
+    if order is None or input.stride(1) == 0:
+        return False
+    extent = 0
+    for dim in order:
+        size, stride = input.shape[dim], input.stride(dim)
+        if size == 0 or stride < extent or (dim == 0 and extent == input.stride(1)):
+            return False
+        extent = stride * max(size, 1)
+    return True
+
+
+def output_format(input: torch.Tensor) -> torch.memory_format | None:
+    """The memory format torch's batch norm gives the output for ``input``, where an
+    element-wise op on ``input`` would give another; ``None`` where it gives the same.
+
+    torch's output is channels last for a 4-D or 5-D input whose strides are channels
+    last, and contiguous otherwise, while element-wise ops keep any dense input's strides:
+    a transposed ``(N, L, C)`` batch (``x.transpose(1, 2)``) would give an output that
+    ``.view`` refuses.
+    """
+    if input.is_contiguous():
+        return None
+    for format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if input.dim() == ndim and input.is_contiguous(memory_format=format):
+            return None
+    if _channels_last_like(input):
+        return torch.channels_last if input.dim() == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _subtract(input: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``input - shift`` (same dtypes) in the memory format of torch's batch-norm output."""
+    format = output_format(input)
+    if format is None:
+        return torch.sub(input, shift)
+    return torch.sub(input, shift, out=torch.empty_like(input, memory_format=format))
+
+
 def _center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input - shift, shift)`` with ``shift = input[0, :, 0, ...]`` in broadcast shape.
 
-    The shifted copy is in the statistics dtype and the input's memory format; for float32
-    and float64 inputs it later becomes the output, so forward allocates no more than
-    BatchNorm does.
+    The shifted copy is in the statistics dtype and the memory format of torch's
+    batch-norm output (:func:`output_format`); for float32 and float64 inputs it later
+    becomes the output, so forward allocates no more than BatchNorm does.
     """
     dtype = stat_dtype(input.dtype)
     ndim = input.dim()
@@ -83,10 +134,11 @@ def _center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input.storage_offset(),
     )
     if input.dtype == dtype:
-        return torch.sub(detached, shift), shift
+        return _subtract(detached, shift), shift
     # low precision: convert, then subtract in place (a mixed-dtype subtraction is ~20x slower)
     shift = shift.to(dtype)
-    return detached.to(dtype).sub_(shift), shift
+    format = output_format(input) or torch.preserve_format
+    return detached.to(dtype, memory_format=format).sub_(shift), shift
 
 
 def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -168,7 +220,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
         count = valid.sum(dtype=_PACK_DTYPE)
         x = input.detach().to(stat_dtype(input.dtype))
         shift = channel_view(first_valid_sample(x, valid), input.dim())
-        centered = zero_padded(torch.sub(x, shift), valid, inplace=True)
+        centered = zero_padded(_subtract(x, shift), valid, inplace=True)
     zeros, ones, empty = constants(num_channels, shift.dtype, shift.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
