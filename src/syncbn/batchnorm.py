@@ -292,18 +292,21 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
                 num_batches_tracked=counted,
             )
         self._check_input_dim(input)
-        update = self.track_running_stats and not is_recomputing()
+        tracking = self.track_running_stats
+        update = tracking and not is_recomputing()
         factor = 0.0 if self.momentum is None else self.momentum
         if update and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         # a recomputation passes the running statistics too, with a factor of 0 (they stay as
-        # they are): non-reentrant checkpointing requires it to save what the forward saved
+        # they are): non-reentrant checkpointing requires it to save what the forward saved.
+        # A layer whose tracking was switched off after it was built passes none, as torch's
+        # layers do: a factor of 0 would still write 0 * NaN into them
         return F.batch_norm(
             input,
-            self.running_mean,
-            self.running_var,
+            self.running_mean if tracking else None,
+            self.running_var if tracking else None,
             self.weight,
             self.bias,
             True,

@@ -131,8 +131,18 @@ def _collecting_moments(
         layer.register_forward_pre_hook(_record_moments(layer, sums, watch.given), with_kwargs=True)
         for layer in tracked
     ]
+    # a layer that tracks no running statistics but still holds them (tracking switched
+    # off after it was built) normalizes with the batch's statistics in training, and in
+    # eval with its buffers: it runs without them here, as batch statistics
+    hidden = {
+        id(layer): (layer.running_mean, layer.running_var)
+        for layer in layers
+        if not layer.track_running_stats
+    }
     for layer in layers:
         layer.training = False  # the layer alone: its children (act, drop) keep their mode
+        if id(layer) in hidden:
+            layer.running_mean = layer.running_var = None
     try:
         # (only where a layer's forward is its class's own: the mode sees every torch call)
         with watch if watch.by_buffer else nullcontext():
@@ -151,6 +161,8 @@ def _collecting_moments(
         for layer in layers:
             state = saved[id(layer)]
             layer.training = state.training
+            if id(layer) in hidden:
+                layer.running_mean, layer.running_var = hidden[id(layer)]
             for buffer, value in (
                 (layer.running_mean, state.running_mean),
                 (layer.running_var, state.running_var),
