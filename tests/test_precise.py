@@ -192,6 +192,35 @@ def test_a_layer_without_running_statistics_does_not_communicate(pool2: WorkerPo
             torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("layer_class", [nn.BatchNorm1d, syncbn.SyncBatchNorm])
+def test_a_layer_whose_tracking_was_switched_off_normalizes_with_batch_statistics(
+    layer_class: type[nn.Module],
+) -> None:
+    """Tracking switched off after the layer was built: it keeps its buffers, and training
+    normalizes with each batch's statistics; recomputing put it in eval mode, where it
+    normalized with those stale buffers, and the next layer got statistics of activations
+    that training never makes. Its buffers are left as they were."""
+    torch.manual_seed(0)
+    first: Any = layer_class(3).double()
+    second = nn.BatchNorm1d(3, dtype=torch.float64)
+    model = nn.Sequential(first, second)
+    first.track_running_stats = False
+    with torch.no_grad():
+        first.running_mean.fill_(10.0)
+        first.running_var.fill_(4.0)
+    batches = [torch.randn(8, 3, dtype=torch.float64) * 2 + 1 for _ in range(4)]
+    with torch.no_grad():
+        seen = torch.cat([first.train()(batch) for batch in batches])
+    var, mean = torch.var_mean(seen, dim=0)
+    model.eval()
+    syncbn.recompute_statistics(model, batches)
+    torch.testing.assert_close(second.running_mean, mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(second.running_var, var, rtol=1e-12, atol=0)
+    assert first.running_mean.tolist() == [10.0] * 3
+    assert first.running_var.tolist() == [4.0] * 3
+    assert not first.training
+
+
 class _KeywordCall(nn.Module):
     def __init__(self) -> None:
         super().__init__()
