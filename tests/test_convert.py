@@ -107,6 +107,14 @@ def test_unmaterialised_lazy_batchnorm_is_left_with_a_warning() -> None:
     assert isinstance(model[0], nn.LazyBatchNorm2d)
 
 
+def test_convert_model_leaves_an_unmaterialised_lazy_batchnorm_with_a_warning() -> None:
+    """The DataParallel API's converter too (it left the layer silently)."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.LazyBatchNorm1d())
+    with pytest.warns(UserWarning, match=r"convert_model left '1' \(LazyBatchNorm1d\): it is lazy"):
+        convert_model(model)
+    assert isinstance(model[1], nn.LazyBatchNorm1d)
+
+
 def test_converted_model_computes_what_the_original_did() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())

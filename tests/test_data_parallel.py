@@ -10,6 +10,7 @@ slice of the batch. The results must equal torch's BatchNorm on the whole batch.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, TypedDict, cast
 import pytest
 import torch
 import torch.fx
+import torch.utils.checkpoint
 from _gold import Case, Tolerance, reference
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -133,10 +135,24 @@ CASES = {
     "3d": Case(sizes=(2, 1), tail=(2, 3, 2, 4)),
     "momentum-none-affine-false": Case(sizes=(0, 3, 2), momentum=None, affine=False),
     "no-running-stats-eps": Case(sizes=(2, 2), track_running_stats=False, eps=1e-2),
+    "bias-false": Case(sizes=(2, 1, 3), bias=False),
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: the reference for bias=False: torch's layers take it from torch 2.13
+_NEEDS_BIAS_ARGUMENT = pytest.mark.skipif(
+    "bias" not in inspect.signature(nn.BatchNorm1d.__init__).parameters,
+    reason="torch's BatchNorm takes bias=False from torch 2.13",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[_NEEDS_BIAS_ARGUMENT] * (not case.bias))
+        for name, case in CASES.items()
+    ],
+)
 def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
     case = CASES[name]
     expected = reference(case)
@@ -149,11 +165,13 @@ def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
         affine=case.affine,
         track_running_stats=case.track_running_stats,
         dtype=torch.float64,
+        bias=case.bias,
     )
     if case.affine:
         with torch.no_grad():
             module.weight.copy_(weight)
-            module.bias.copy_(bias)
+            if case.bias:
+                module.bias.copy_(bias)
 
     for step, (x, dy) in enumerate(zip(xs, dys)):
         replicas = replicate(module, len(case.sizes))  # DataParallel replicates every step
@@ -164,7 +182,8 @@ def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
         if case.affine:
             # each replica's share, summed by autograd into the original Parameters
             torch.testing.assert_close(module.weight.grad, ref["grad_weight"], **TOL)
-            torch.testing.assert_close(module.bias.grad, ref["grad_bias"], **TOL)
+            if case.bias:
+                torch.testing.assert_close(module.bias.grad, ref["grad_bias"], **TOL)
             module.zero_grad(set_to_none=True)
         for replica in replicas[1:]:  # every copy computed the same global statistics
             for ours, theirs in zip(replica.buffers(), replicas[0].buffers()):
@@ -174,6 +193,56 @@ def test_replicas_match_batchnorm_on_whole_batch(name: str) -> None:
     assert state.keys() == expected["state"].keys()
     for key, value in expected["state"].items():
         torch.testing.assert_close(state[key], value, **TOL, msg=_prefixed(key))
+
+
+class _Checkpointed(nn.Module):
+    """A Linear and a BatchNorm under activation checkpointing (or not: the reference)."""
+
+    def __init__(self, batchnorm: type[nn.Module], use_reentrant: bool | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4, dtype=torch.float64)
+        self.bn = batchnorm(4, dtype=torch.float64)
+        self.use_reentrant = use_reentrant
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.bn(self.linear(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_reentrant is None:
+            return self.body(x)
+        return cast(
+            torch.Tensor,
+            torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.use_reentrant),
+        )
+
+
+@pytest.mark.parametrize(
+    ("use_reentrant", "early_stop"),
+    [(True, True), (False, False), (False, True)],
+    ids=["reentrant", "non-reentrant", "non-reentrant-early-stop"],
+)
+def test_activation_checkpointing_matches_batchnorm_on_whole_batch(
+    use_reentrant: bool, early_stop: bool
+) -> None:
+    """Non-reentrant checkpointing stops a recomputation early by raising from the layer's
+    ``save_for_backward``, after the replicas' exchange: that signal aborted the rendezvous
+    as a replica failure (torch's default, early stop on, always failed)."""
+    torch.manual_seed(0)
+    expected_model = _Checkpointed(nn.BatchNorm1d)
+    model = _Checkpointed(SynchronizedBatchNorm1d, use_reentrant)
+    model.load_state_dict(expected_model.state_dict())
+    x, dy = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    expected = expected_model(leaf)
+    expected.backward(dy)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        output, grad_input = forward_backward(
+            replicate(model, 2), split(x, (2, 3)), split(dy, (2, 3))
+        )
+    torch.testing.assert_close(output, expected.detach(), **TOL)
+    torch.testing.assert_close(grad_input, leaf.grad, **TOL)
+    for key, value in expected_model.state_dict().items():  # running statistics moved once
+        torch.testing.assert_close(model.state_dict()[key], value, **TOL, msg=_prefixed(key))
 
 
 class TwoLayers(nn.Module):

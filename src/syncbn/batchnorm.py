@@ -20,7 +20,18 @@ from syncbn._autograd import (
 )
 from syncbn._layer_identity import LayerIdentity
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "reset_without_bias"]
+
+
+def reset_without_bias(layer: _BatchNorm) -> bool:
+    """Reset the parameters of a layer built with ``bias=False``: running statistics, and a
+    weight of ones. torch < 2.13 does not know ``bias=False``, and its reset zeroes the
+    bias. Returns whether it did (``False``, and nothing done, for any other layer)."""
+    if not (layer.affine and layer.bias is None):
+        return False
+    layer.reset_running_stats()
+    torch.nn.init.ones_(layer.weight)
+    return True
 
 
 class SyncBatchNorm(LayerIdentity, _BatchNorm):
@@ -138,11 +149,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         self._prepare_order_token()
 
     def reset_parameters(self) -> None:
-        if self.affine and self.bias is None:  # bias=False, which torch < 2.13 does not know
-            self.reset_running_stats()
-            torch.nn.init.ones_(self.weight)
-            return
-        super().reset_parameters()
+        if not reset_without_bias(self):
+            super().reset_parameters()
 
     def _apply(self, *args: Any, **kwargs: Any) -> SyncBatchNorm:
         # .to(), .cuda(), .to_empty(): the layer's new device needs its order token

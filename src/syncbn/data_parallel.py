@@ -37,8 +37,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from syncbn import _protocol
 from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
@@ -50,6 +52,7 @@ from syncbn._conversion import (
     replace_modules,
 )
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
+from syncbn.batchnorm import reset_without_bias
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -65,6 +68,14 @@ __all__ = [
 #: Seconds a replica waits for the other replicas of its layer before raising.
 DEFAULT_SYNC_TIMEOUT = 120.0
 
+#: what non-reentrant activation checkpointing raises to end a recomputation once it has
+#: what backward needs: from the layer's ``save_for_backward``, after the replicas' exchange
+_STOP_RECOMPUTATION: tuple[type[Exception], ...] = tuple(
+    error
+    for error in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),)
+    if error is not None
+)
+
 
 class _SynchronizedBatchNorm(_BatchNorm):
     """Shared implementation of the ``SynchronizedBatchNorm{1,2,3}d`` layers."""
@@ -78,15 +89,23 @@ class _SynchronizedBatchNorm(_BatchNorm):
         track_running_stats: bool = True,
         device: Any = None,
         dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
+        if affine and not bias:  # as torch >= 2.13's layers take it (on any torch here)
+            self.register_parameter("bias", None)
         self.sync_timeout = DEFAULT_SYNC_TIMEOUT
         # Set on replicas only, by __data_parallel_replicate__.
         self._replica_sync: ReplicaRendezvous | None = None
         self._replica_copy_id = 0
         self._replica_calls = 0
+
+    def reset_parameters(self) -> None:
+        if not reset_without_bias(self):
+            super().reset_parameters()
 
     def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
         """Join the rendezvous shared (through ``ctx``) by the copies of this layer.
@@ -134,6 +153,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
                 running_var=self.running_var if tracking else None,
                 num_batches_tracked=self.num_batches_tracked if tracking else None,
             )
+        except _STOP_RECOMPUTATION:
+            raise  # checkpointing's signal, after the exchange: not a failure of this replica
         except Exception as error:
             rendezvous.abort(self._replica_copy_id, error)
             raise
@@ -181,6 +202,8 @@ _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for
             Default: ``True``
         device: device of the parameters and buffers. Default: ``None``
         dtype: dtype of the parameters and buffers. Default: ``None``
+        bias: with ``affine``, learn the shift :math:`\beta` too (``False``: a scale only,
+            as torch >= 2.13's ``bias=False``; keyword only). Default: ``True``
 
     Attributes:
         sync_timeout: seconds a replica waits for the others in one exchange; read
@@ -418,6 +441,13 @@ _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] 
 
 def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module:
     """The synchronized twin of one BatchNorm layer, sharing its state; or the layer itself."""
+    if isinstance(module, _BatchNorm) and isinstance(module, LazyModuleMixin):
+        # a materialised one has become its cls_to_become, a BatchNorm1d/2d/3d
+        skipped.append(
+            f"{describe_module(module, path)}: it is lazy; run one forward pass first so "
+            "that its parameters are materialised"
+        )
+        return module
     for torch_class, sync_class in _CONVERSIONS:
         if not isinstance(module, torch_class):
             continue
@@ -444,12 +474,12 @@ def convert_model(module: nn.Module) -> nn.Module:
     Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
     ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``,
-    or a layer whose weight or bias is computed (``torch.nn.utils.parametrize``), is
-    left unconverted with a warning naming it. A layer held in several places becomes
-    one synchronized layer in all of them. If ``module`` is a
-    ``torch.nn.DataParallel``, its inner module is converted and returned wrapped in
-    :class:`DataParallelWithCallback` with the same ``device_ids``, ``output_device``
-    and ``dim``.
+    a layer whose weight or bias is computed (``torch.nn.utils.parametrize``), or a
+    lazy layer not yet materialised is left unconverted with a warning naming it. A
+    layer held in several places becomes one synchronized layer in all of them. If
+    ``module`` is a ``torch.nn.DataParallel``, its inner module is converted and returned
+    wrapped in :class:`DataParallelWithCallback` with the same ``device_ids``,
+    ``output_device`` and ``dim``.
 
     Args:
         module: the model, a single BatchNorm layer, or a DataParallel wrapper.
