@@ -22,6 +22,7 @@ from _harness import WorkerPool, outcome
 from torch import nn
 
 import syncbn
+from syncbn import _autograd
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.library, "custom_op"), reason="fullgraph compile needs torch >= 2.4"
@@ -349,6 +350,16 @@ def _errors_under_compile(rank: int, world_size: int) -> dict[str, tuple[str, st
     # a dtype torch's batch norm refuses for the layer's float64 parameters, on rank 0 only
     mixed = torch.randn(4, 3, 5, dtype=torch.float32 if rank == 0 else torch.float64)
     outcomes["dtype"] = outcome(lambda: compiled(mixed))
+    # parameters and buffers of mixed dtypes on rank 0 (float32 and bfloat16), and an eps
+    # torch >= 2.10 refuses in training on rank 0: found while tracing, raised at run time
+    mixed_layer = syncbn.SyncBatchNorm(3, eps=0.0 if rank == 0 else 1e-5)
+    if rank == 0:
+        mixed_layer.running_mean = torch.zeros(3, dtype=torch.bfloat16)
+    compiled_mixed = torch.compile(mixed_layer, fullgraph=True, backend="aot_eager")
+    outcomes["mixed"] = outcome(lambda: compiled_mixed(good.bfloat16()))
+    mixed_layer.running_mean = torch.zeros(3)
+    torch._dynamo.reset()
+    outcomes["eps"] = outcome(lambda: compiled_mixed(good.float()))
     # two compiled layers called in different orders
     first, second = syncbn.SyncBatchNorm(3).double(), syncbn.SyncBatchNorm(3).double()
     layers = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in (first, second)]
@@ -361,20 +372,25 @@ def _errors_under_compile(rank: int, world_size: int) -> dict[str, tuple[str, st
 @pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
 def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> None:
     results = pool2.run(_errors_under_compile, timeout=120.0)
+    # what rank 0 raised for its own problem: the others raise that a rank failed
+    raised_on_rank_0 = {
+        "invalid": ("ValueError", "expected input with 3 channels"),
+        "dtype": ("RuntimeError", "got input of dtype torch.float32 and a"),
+        "mixed": ("RuntimeError", "beside others of dtype torch.float32"),
+        "eps": ("ValueError", "eps must be positive during training"),
+    }
     for rank, outcomes in enumerate(results):
         assert outcomes["uneven"] == ("ok", "")
-        kind, message = outcomes["invalid"]
-        if rank == 0:
-            assert kind == "ValueError" and "expected input with 3 channels" in message
-        else:
-            assert kind == "RuntimeError" and "1 other rank(s) failed" in message
-        kind, message = outcomes["dtype"]
-        if rank == 0:
-            assert kind == "RuntimeError" and "got input of dtype torch.float32 and a" in message
-        else:
-            assert kind == "RuntimeError" and "1 other rank(s) failed" in message
         kind, message = outcomes["order"]
         assert kind == "RuntimeError" and "SyncBatchNorm layer mismatch in forward" in message
+        for name, (rank_0_kind, rank_0_message) in raised_on_rank_0.items():
+            kind, message = outcomes[name]
+            if name == "eps" and not _autograd._REFUSES_EPS:
+                assert (kind, message) == ("ok", "")
+            elif rank == 0:
+                assert kind == rank_0_kind and rank_0_message in message, (name, message)
+            else:
+                assert kind == "RuntimeError" and "1 other rank(s) failed" in message, name
 
 
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:

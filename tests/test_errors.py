@@ -114,6 +114,56 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pool: WorkerPool, bad: str) 
         assert "num_features=3" in message
 
 
+def _one_rank_bad_settings(rank: int, world_size: int, bad: str) -> tuple[str, str]:
+    """The functional form, whose per-channel tensors and eps the caller passes: the last
+    rank passes what torch's batch norm refuses."""
+    x = torch.randn(4, 3, 2)
+    weight, bias, mean, var = torch.rand(3), torch.randn(3), torch.zeros(3), torch.ones(3)
+    eps = 1e-5
+    if rank == world_size - 1:
+        if bad == "bias size":  # broadcast into every channel before
+            bias = torch.zeros(1)
+        elif bad == "weight shape":  # (C, 1): a stack error after the collective before
+            weight = weight.view(3, 1)
+        elif bad == "mixed dtypes":  # float32 parameters, bfloat16 running statistics
+            x, mean, var = x.bfloat16(), mean.bfloat16(), var.bfloat16()
+        else:
+            eps = 0.0
+    result = outcome(
+        lambda: syncbn.sync_batch_norm(x, mean, var, weight, bias, training=True, eps=eps)
+    )
+    # the group is still usable afterwards
+    good = (torch.randn(2, 3, 2), torch.zeros(3), torch.ones(3))
+    assert outcome(lambda: syncbn.sync_batch_norm(*good, training=True)) == ("ok", "")
+    return result
+
+
+@pytest.mark.parametrize("bad", ["bias size", "weight shape", "mixed dtypes", "eps"])
+def test_bad_settings_on_one_rank_raise_on_every_rank(pool: WorkerPool, bad: str) -> None:
+    """Like torch's batch norm, a synchronized call refuses per-channel tensors of another
+    size, parameters and buffers of mixed dtypes, and (torch >= 2.10) eps <= 0."""
+    *others, last = pool.run(_one_rank_bad_settings, bad)
+    if bad == "eps" and not _autograd._REFUSES_EPS:
+        assert [last, *others] == [("ok", "")] * pool.world_size
+        return
+    expected = {
+        "bias size": (
+            "RuntimeError",
+            "to have shape (3,), one value per channel; got one of shape (1,)",
+        ),
+        "weight shape": ("RuntimeError", "got one of shape (3, 1)"),
+        "mixed dtypes": (
+            "RuntimeError",
+            "of dtype torch.bfloat16 beside others of dtype torch.float32",
+        ),
+        "eps": ("ValueError", "batch_norm eps must be positive during training, but got 0.0"),
+    }[bad]
+    assert last[0] == expected[0] and expected[1] in last[1], last
+    for kind, message in others:
+        assert kind == "RuntimeError"
+        assert "other rank(s) failed in their SyncBatchNorm call in forward" in message
+
+
 def _float16_without_cpu_kernels(rank: int, world_size: int) -> tuple[str, str]:
     """As on torch < 2.2, whose CPU batch_norm has no float16 kernel; a rank's batch is empty."""
     bn = syncbn.SyncBatchNorm(3)

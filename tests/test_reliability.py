@@ -269,6 +269,25 @@ def test_parameter_dtypes_follow_torch_batch_norm_on_every_path(
             bn(x, mask)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_parameters_and_buffers_of_mixed_dtypes_are_refused_as_torch_refuses_them(
+    training: bool, masked: bool
+) -> None:
+    """A bfloat16 input with float32 parameters and bfloat16 running statistics: each is
+    fine alone, torch's batch norm refuses the mix, and so does every path of the layer
+    (the synchronized and masked ones accepted it, and the model failed in eval later)."""
+    bn = syncbn.SyncBatchNorm(3).train(training)
+    bn.running_mean = torch.zeros(3, dtype=torch.bfloat16)
+    bn.running_var = torch.ones(3, dtype=torch.bfloat16)
+    x = torch.randn(4, 3, 5).bfloat16()
+    mask = torch.rand(4, 5) < 0.7 if masked else None
+    with pytest.raises(RuntimeError):
+        F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=training)
+    with pytest.raises(RuntimeError, match="bfloat16 beside others of dtype torch.float32"):
+        bn(x, mask)
+
+
 def _training_without_grad(rank: int, world_size: int) -> dict[str, Any]:
     bn = syncbn.SyncBatchNorm(3, momentum=1.0)
     gen = torch.Generator().manual_seed(5)

@@ -80,13 +80,27 @@ def is_recomputing() -> bool:
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
 
+#: torch >= 2.10's batch norm refuses an eps that is not positive in training
+#: (pytorch/pytorch#166756); synchronized and masked calls then refuse it too
+_REFUSES_EPS = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+
+
 def mismatched_parameter(input: torch.Tensor, *tensors: torch.Tensor | None) -> torch.Tensor | None:
     """The first of a layer's per-channel tensors whose dtype torch's batch norm rejects for
-    ``input``: not the input's dtype, nor float32 for a float16 or bfloat16 input."""
+    ``input``: not the input's dtype, nor float32 for a float16 or bfloat16 input; nor a
+    dtype other than that of the tensors before it (torch takes them all in the input's
+    dtype, or all float32, not a mix)."""
+    accepted = None
     for tensor in tensors:  # a loop: dynamo < 2.4 cannot trace next() with a default
-        if tensor is None or tensor.dtype == input.dtype:
+        if tensor is None:
             continue
-        if not (input.dtype in _REDUCED_PRECISION and tensor.dtype == torch.float32):
+        if tensor.dtype != input.dtype and not (
+            input.dtype in _REDUCED_PRECISION and tensor.dtype == torch.float32
+        ):
+            return tensor
+        if accepted is None:
+            accepted = tensor.dtype
+        elif tensor.dtype != accepted:
             return tensor
     return None
 
@@ -97,12 +111,17 @@ def input_problem(
     param_device: torch.device | None = None,
     layer_kind: str = "SyncBatchNorm",
     parameters: tuple[torch.Tensor | None, ...] = (),
+    eps: float | None = None,
 ) -> Exception | None:
     """The error a bad ``input`` deserves, or ``None`` if it is a valid ``(N, C, *)`` batch.
 
     Args:
         parameters: the layer's weight, bias and running statistics (``None`` where it has
-            none), whose dtypes must be what torch's batch norm accepts with the input's.
+            none), whose dtypes must be what torch's batch norm accepts with the input's,
+            and which must have ``num_features`` elements each.
+        eps: a training call's ``eps`` (one that syncbn computes itself: synchronized or
+            masked), refused where torch's batch norm refuses it, and whose per-channel
+            tensors must then be ``(C,)`` vectors; or ``None``, not checked.
     """
     if not isinstance(input, torch.Tensor):
         return TypeError(f"{layer_kind}: expected input to be a Tensor, got {type(input).__name__}")
@@ -131,12 +150,31 @@ def input_problem(
         )
     mismatched = mismatched_parameter(input, *parameters)
     if mismatched is not None:
+        others = sorted(
+            {str(t.dtype) for t in parameters if t is not None} - {str(mismatched.dtype)}
+        )
         return RuntimeError(
             f"{layer_kind}: expected the layer's parameters and buffers to have the input's "
-            f"dtype, or float32 for a float16 or bfloat16 input (as torch's batch norm does); "
-            f"got input of dtype {input.dtype} and a parameter or buffer of dtype "
-            f"{mismatched.dtype}. Convert the layer (layer.to(dtype)) or the input"
+            f"dtype, or all float32 for a float16 or bfloat16 input (as torch's batch norm "
+            f"does); got input of dtype {input.dtype} and a parameter or buffer of dtype "
+            f"{mismatched.dtype}"
+            + (f" beside others of dtype {', '.join(others)}" if others else "")
+            + ". Convert the layer (layer.to(dtype)) or the input"
         )
+    for tensor in parameters:
+        if tensor is None or num_features is None:
+            continue
+        # torch's batch norm takes any shape of C elements; a training call's own maths
+        # (eps given) takes (C,) vectors
+        wrong = tensor.numel() != num_features or (eps is not None and tensor.dim() != 1)
+        if wrong:
+            return RuntimeError(
+                f"{layer_kind}: expected the per-channel parameters and buffers (weight, bias, "
+                f"running_mean, running_var) to have shape ({num_features},), one value per "
+                f"channel; got one of shape {tuple(tensor.shape)}"
+            )
+    if eps is not None and eps <= 0.0 and _REFUSES_EPS:  # torch's words
+        return ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     return None
 
 
@@ -507,7 +545,7 @@ def forward_train(
         # nothing reads the input before this check: an input that is not even a tensor
         # joins the collective with the error flag too
         parameters = (weight, bias, running_mean, running_var)
-        problem = input_problem(input, num_channels, device, parameters=parameters)
+        problem = input_problem(input, num_channels, device, parameters=parameters, eps=options.eps)
         if problem is None and mask is not None:
             problem = mask_problem(mask, input)
         if problem is not None:

@@ -61,7 +61,6 @@ from syncbn._autograd import (
     input_problem,
     is_recomputing,
     join_on_error,
-    mismatched_parameter,
     reduce_forward,
     reducer_for,
     resolve_mode,
@@ -290,15 +289,19 @@ def _autograd_backward(
 def _fail_forward(
     input: torch.Tensor,
     anchor: torch.Tensor,
+    parameters: list[torch.Tensor | None],
     mask: torch.Tensor | None,
     order: torch.Tensor,
     site_key: int,
     group_name: str,
     num_features: int,
+    eps: float,
 ) -> torch.Tensor:
     # the problem that tracing found, found again on the real tensors (a graph cannot
     # carry the message: dynamo does not trace str() of an exception)
-    problem = input_problem(input, num_features, anchor.device, parameters=(anchor,))
+    problem = input_problem(
+        input, num_features, anchor.device, parameters=tuple(parameters), eps=eps
+    )
     if problem is None and mask is not None:
         problem = mask_problem(mask, input)
     if problem is None:  # pragma: no cover - tracing and run time see the same metadata
@@ -312,11 +315,13 @@ def _fail_forward(
 def _fail_forward_fake(
     input: torch.Tensor,
     anchor: torch.Tensor,
+    parameters: list[torch.Tensor | None],
     mask: torch.Tensor | None,
     order: torch.Tensor,
     site_key: int,
     group_name: str,
     num_features: int,
+    eps: float,
 ) -> torch.Tensor:
     return torch.empty_like(input)
 
@@ -335,8 +340,8 @@ _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
         _sync_moments_backward_fake,
     ),
     "fail_forward": (
-        "(Tensor input, Tensor anchor, Tensor? mask, Tensor order, int site_key, "
-        "str group_name, int num_features) -> Tensor",
+        "(Tensor input, Tensor anchor, Tensor?[] parameters, Tensor? mask, Tensor order, "
+        "int site_key, str group_name, int num_features, float eps) -> Tensor",
         _fail_forward,
         _fail_forward_fake,
     ),
@@ -503,23 +508,23 @@ def sync_batch_norm_train(
     per_channel = first_given(weight, bias, running_mean, running_var)
     anchor = input if per_channel is None else per_channel  # where the buffers live
     parameters = (weight, bias, running_mean, running_var)
-    problem = input_problem(input, num_features, anchor.device, parameters=parameters)
+    problem = input_problem(input, num_features, anchor.device, parameters=parameters, eps=eps)
     if problem is None and mask is not None:
         problem = mask_problem(mask, input)
     if problem is not None:
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise problem  # not a tensor: a programming error, the same on every rank
-        mismatched = mismatched_parameter(input, *parameters)
-        if mismatched is not None:  # the anchor is the tensor a dtype problem names: the
-            anchor = mismatched  # op finds the problem again from it
+        # the op finds the problem again from the same tensors and settings
         output: torch.Tensor = torch.ops.syncbn.fail_forward(
             input.detach(),
             anchor.detach(),
+            [None if tensor is None else tensor.detach() for tensor in parameters],
             None if mask is None else mask.detach(),
             order_token(anchor.device),
             site_key,
             group_name,
             num_features,
+            eps,
         )
         return output
     return _composite.batch_norm_train(
