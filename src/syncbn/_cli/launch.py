@@ -26,6 +26,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -166,8 +167,13 @@ def _rank_main(
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    else:
-        os._exit(0)  # skip the process group's teardown, which may wait for dead peers
+    # finalize nothing (without teardown, that also skips the process group's, which may
+    # wait for dead peers): gloo can abort a process whose worker thread releases a
+    # collective's tensors while Python finalizes, printing "terminate called without an
+    # active exception" (README, Troubleshooting); the report is sent already
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def stop(processes: Sequence[Any], grace: float = 0.0) -> None:
