@@ -90,16 +90,17 @@ def mismatched_parameter(input: torch.Tensor, *tensors: torch.Tensor | None) -> 
     ``input``: not the input's dtype, nor float32 for a float16 or bfloat16 input; nor a
     dtype other than that of the tensors before it (torch takes them all in the input's
     dtype, or all float32, not a mix)."""
+    dtype = input.dtype
     accepted = None
     for tensor in tensors:  # a loop: dynamo < 2.4 cannot trace next() with a default
         if tensor is None:
             continue
-        if tensor.dtype != input.dtype and not (
-            input.dtype in _REDUCED_PRECISION and tensor.dtype == torch.float32
-        ):
-            return tensor
         if accepted is None:
             accepted = tensor.dtype
+            if accepted != dtype and not (
+                dtype in _REDUCED_PRECISION and accepted == torch.float32
+            ):
+                return tensor
         elif tensor.dtype != accepted:
             return tensor
     return None
@@ -161,13 +162,16 @@ def input_problem(
             + (f" beside others of dtype {', '.join(others)}" if others else "")
             + ". Convert the layer (layer.to(dtype)) or the input"
         )
+    vector = (num_features,)
     for tensor in parameters:
-        if tensor is None or num_features is None:
-            continue
         # torch's batch norm takes any shape of C elements; a training call's own maths
         # (eps given) takes (C,) vectors
-        wrong = tensor.numel() != num_features or (eps is not None and tensor.dim() != 1)
-        if wrong:
+        if (
+            tensor is not None
+            and num_features is not None
+            and tensor.shape != vector
+            and (eps is not None or tensor.numel() != num_features)
+        ):
             return RuntimeError(
                 f"{layer_kind}: expected the per-channel parameters and buffers (weight, bias, "
                 f"running_mean, running_var) to have shape ({num_features},), one value per "
