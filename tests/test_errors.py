@@ -88,7 +88,10 @@ def test_one_value_per_rank_is_enough_when_the_global_count_is_larger(pool: Work
 
 
 def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]:
-    bn = syncbn.SyncBatchNorm(3)
+    # a layer with no per-channel tensor: only the input told the device of the error
+    # flag's buffer, and a non-tensor input raised before joining
+    plain = bad == "not a tensor, plain layer"
+    bn = syncbn.SyncBatchNorm(3, affine=not plain, track_running_stats=not plain)
     good = torch.randn(4, 3, 2)
     x: torch.Tensor | None = good
     if rank == world_size - 1:
@@ -97,6 +100,7 @@ def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]
             "channels": torch.randn(4, 5, 2),
             "dtype": good.long(),
             "not a tensor": None,  # before, nothing checked it: that rank never joined
+            "not a tensor, plain layer": None,
         }[bad]
     result = outcome(bn, x)
     # the group is still usable afterwards: a correct call on every rank works
@@ -104,7 +108,9 @@ def _one_rank_bad_input(rank: int, world_size: int, bad: str) -> tuple[str, str]
     return result
 
 
-@pytest.mark.parametrize("bad", ["dims", "channels", "dtype", "not a tensor"])
+@pytest.mark.parametrize(
+    "bad", ["dims", "channels", "dtype", "not a tensor", "not a tensor, plain layer"]
+)
 def test_bad_input_on_one_rank_raises_on_every_rank(pool: WorkerPool, bad: str) -> None:
     *others, last = pool.run(_one_rank_bad_input, bad)
     assert last[0] == ("ValueError" if bad in ("dims", "channels") else "TypeError"), last

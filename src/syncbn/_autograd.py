@@ -540,7 +540,12 @@ def forward_train(
     """
     # where the layer's parameters live, and so the other ranks' buffers
     per_channel = first_given(weight, bias, running_mean, running_var)
-    device = input.device if per_channel is None else per_channel.device
+    if per_channel is not None:
+        device = per_channel.device
+    elif isinstance(input, torch.Tensor):
+        device = input.device
+    else:  # no tensor tells: the CPU (gloo's), so that the error flag still joins
+        device = torch.device("cpu")
     num_channels = options.layer.num_features
     valid = None
     # outside join_on_error: see resolve_mode
