@@ -472,6 +472,39 @@ def test_the_functional_form_compiles_first_in_a_fresh_process() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+_FIRST_LAYER_UNDER_INFERENCE_MODE = """
+import torch, syncbn
+with torch.inference_mode():  # the first layer, which creates the device's order token
+    syncbn.SyncBatchNorm(3)
+layer = syncbn.SyncBatchNorm(3).double()
+reference = syncbn.SyncBatchNorm(3).double()
+compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+x = torch.randn(4, 3, 5, dtype=torch.float64)
+mask = torch.rand(4, 5) < 0.7
+gradients = []
+for module in (compiled, reference):  # a masked training call: the synchronizing op
+    leaf = x.clone().requires_grad_()
+    module(leaf, mask).sin().sum().backward()
+    gradients.append(leaf.grad)
+torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-10, atol=1e-12)
+torch.testing.assert_close(layer.running_mean, reference.running_mean, rtol=1e-10, atol=1e-12)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_working() -> None:
+    """The first layer built on a device creates that device's order token, which compiled
+    synchronizing ops advance in place: built under ``torch.inference_mode`` it was an
+    inference tensor, and every later compiled training call in the process failed."""
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_LAYER_UNDER_INFERENCE_MODE],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_the_ops_pass_torch_library_opcheck() -> None:
     """Schema, autograd registration, fake (tracing) implementation and AOT dispatch of the
     ops, as torch checks custom ops (they are tagged ``pt2_compliant``). One process: the
