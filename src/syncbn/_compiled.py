@@ -413,10 +413,13 @@ def order_token(device: torch.device) -> torch.Tensor:
     """
     token = _order_tokens.get(str(device))
     if token is None:  # eagerly from prepare_order_token, or traced for a new device
-        # never an inference tensor (a layer built under torch.inference_mode): those
-        # cannot be advanced in place outside inference mode, by any later training call
-        with torch.inference_mode(False):
+        if is_compiling():
             token = torch.zeros(1, device=device)
+        else:
+            # never an inference tensor (a layer built under torch.inference_mode): those
+            # cannot be advanced in place outside inference mode, by any later training call
+            with torch.inference_mode(False):
+                token = torch.zeros(1, device=device)
         _order_tokens[str(device)] = token
     return token
 
