@@ -505,6 +505,25 @@ def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_worki
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.skipif(not _autograd._REFUSES_EPS, reason="torch < 2.10 takes eps <= 0")
+def test_an_eps_argument_that_torch_refuses_raises_its_error_under_compile() -> None:
+    """``eps`` as an argument of the compiled step becomes symbolic at the second call, and
+    the message's f-string of it failed the trace (dynamo's BUILD_STRING) instead of
+    raising torch's error (a masked functional call: the compiled ops, no process group)."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    mask = torch.rand(4, 5) < 0.7
+
+    def step(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return syncbn.sync_batch_norm(x, None, None, training=True, eps=eps, mask=mask)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(x, 1e-5)
+    compiled(x, 1e-3)
+    with pytest.raises(ValueError, match=r"eps must be positive during training, but got 0.0$"):
+        compiled(x, 0.0)
+
+
 def test_the_ops_pass_torch_library_opcheck() -> None:
     """Schema, autograd registration, fake (tracing) implementation and AOT dispatch of the
     ops, as torch checks custom ops (they are tagged ``pt2_compliant``). One process: the

@@ -170,6 +170,20 @@ def test_bad_settings_on_one_rank_raise_on_every_rank(pool: WorkerPool, bad: str
         assert "other rank(s) failed in their SyncBatchNorm call in forward" in message
 
 
+def test_zero_dim_parameters_of_one_channel_are_taken_as_torch_takes_them() -> None:
+    """A 0-dim weight and bias hold the one value of a 1-channel input: torch's batch norm
+    takes them, and so does a masked (syncbn-computed) call; other shapes of C elements
+    are refused there."""
+    x = torch.randn(4, 1, 5, dtype=torch.float64)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    weight, bias = torch.tensor(2.0, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+    expected = torch.nn.functional.batch_norm(x, None, None, weight, bias, training=True)
+    output = syncbn.sync_batch_norm(x, None, None, weight, bias, training=True, mask=mask)
+    torch.testing.assert_close(output, expected)
+    with pytest.raises(RuntimeError, match=r"to have shape \(1,\).*got one of shape \(1, 1\)"):
+        syncbn.sync_batch_norm(x, None, None, weight.view(1, 1), bias, training=True, mask=mask)
+
+
 def _float16_without_cpu_kernels(rank: int, world_size: int) -> tuple[str, str]:
     """As on torch < 2.2, whose CPU batch_norm has no float16 kernel; a rank's batch is empty."""
     bn = syncbn.SyncBatchNorm(3)

@@ -43,6 +43,7 @@ __all__ = [
     "forward_train",
     "input_problem",
     "is_recomputing",
+    "is_tracing",
     "join_on_error",
     "mismatched_parameter",
     "reduce_forward",
@@ -165,12 +166,12 @@ def input_problem(
     vector = (num_features,)
     for tensor in parameters:
         # torch's batch norm takes any shape of C elements; a training call's own maths
-        # (eps given) takes (C,) vectors
+        # (eps given) takes (C,) vectors, or a 0-dim tensor for one channel
         if (
             tensor is not None
             and num_features is not None
             and tensor.shape != vector
-            and (eps is not None or tensor.numel() != num_features)
+            and (tensor.numel() != num_features or (eps is not None and tensor.dim() > 1))
         ):
             return RuntimeError(
                 f"{layer_kind}: expected the per-channel parameters and buffers (weight, bias, "
@@ -178,8 +179,18 @@ def input_problem(
                 f"channel; got one of shape {tuple(tensor.shape)}"
             )
     if eps is not None and eps <= 0.0 and _REFUSES_EPS:  # torch's words
-        return ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+        # while dynamo traces, eps may be symbolic, which no string can hold: the message is
+        # written again, with the value, at run time (syncbn::fail_forward)
+        value = "a value that is not positive" if is_tracing() else str(eps)
+        return ValueError(f"batch_norm eps must be positive during training, but got {value}")
     return None
+
+
+def is_tracing() -> bool:
+    """True while dynamo traces (the check itself is traceable; torch >= 2.3 names it
+    ``torch.compiler.is_compiling``, before it ``torch._utils.is_compiling``)."""
+    check = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
+    return bool(check())
 
 
 class Reducer(Protocol):

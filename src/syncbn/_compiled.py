@@ -60,6 +60,7 @@ from syncbn._autograd import (
     first_given,
     input_problem,
     is_recomputing,
+    is_tracing,
     join_on_error,
     reduce_forward,
     reducer_for,
@@ -136,9 +137,7 @@ _Function = TypeVar("_Function", bound=Callable[..., Any])
 
 def is_compiling() -> bool:
     """True while dynamo traces (the check itself is traceable)."""
-    # torch.compiler.is_compiling is torch >= 2.3's name for torch._utils.is_compiling
-    check = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
-    return bool(check())
+    return is_tracing()
 
 
 def outside_graph(function: _Function) -> _Function:
