@@ -459,17 +459,19 @@ torch.testing.assert_close(compiled(x, mask), step(x, mask), rtol=1e-10, atol=1e
 """
 
 
+def _run_in_a_fresh_process(script: str) -> None:
+    """Run ``script`` in a new Python process (no syncbn state yet); fail with its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_the_functional_form_compiles_first_in_a_fresh_process() -> None:
     """No SyncBatchNorm layer built before: the custom ops must exist all the same (they
     used to be defined by the first layer's construction, and this raised AttributeError)."""
-    result = subprocess.run(
-        [sys.executable, "-c", _FUNCTIONAL_IN_A_FRESH_PROCESS],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_in_a_fresh_process(_FUNCTIONAL_IN_A_FRESH_PROCESS)
 
 
 _FIRST_LAYER_UNDER_INFERENCE_MODE = """
@@ -496,13 +498,7 @@ def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_worki
     """The first layer built on a device creates that device's order token, which compiled
     synchronizing ops advance in place: built under ``torch.inference_mode`` it was an
     inference tensor, and every later compiled training call in the process failed."""
-    result = subprocess.run(
-        [sys.executable, "-c", _FIRST_LAYER_UNDER_INFERENCE_MODE],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_in_a_fresh_process(_FIRST_LAYER_UNDER_INFERENCE_MODE)
 
 
 @pytest.mark.skipif(not _autograd._REFUSES_EPS, reason="torch < 2.10 takes eps <= 0")
