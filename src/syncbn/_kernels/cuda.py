@@ -29,7 +29,13 @@ import functools
 import torch
 
 from syncbn._kernels import generic
-from syncbn._kernels.generic import LocalMoments, backward_reduce, local_moments, zero_padded
+from syncbn._kernels.generic import (
+    LocalMoments,
+    backward_reduce,
+    dense_format,
+    local_moments,
+    zero_padded,
+)
 from syncbn._protocol import refuse_during_capture
 
 __all__ = ["backward_reduce", "input_grad", "local_moments", "normalize", "zero_padded"]
@@ -63,17 +69,6 @@ def _kernel_count(count: int | torch.Tensor, device: torch.device) -> torch.Tens
     return parts.to(torch.int32)
 
 
-def _dense_format(tensor: torch.Tensor) -> torch.memory_format | None:
-    """The memory format ``tensor`` is contiguous in, or ``None`` (the fused kernels take
-    contiguous and channels-last tensors; other strides take the generic path)."""
-    if tensor.is_contiguous():
-        return torch.contiguous_format
-    for format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if tensor.dim() == ndim and tensor.is_contiguous(memory_format=format):
-            return format
-    return None
-
-
 def normalize(
     input: torch.Tensor,
     moments: LocalMoments,
@@ -89,7 +84,7 @@ def normalize(
     centered = moments.centered
     dtype = saved.dtype
     fused = valid is None and dtype == input.dtype
-    if not fused or centered is None or _dense_format(centered) is None:
+    if not fused or centered is None or dense_format(centered) is None:
         return generic.normalize(input, moments, saved, offset, weight, bias, eps, valid)
     _, _, scale, _ = saved.unbind()
     zeros, _, _ = generic.constants(scale.numel(), dtype, scale.device)
@@ -115,7 +110,7 @@ def input_grad(
     rather than the scale, and the global count as an int32 tensor (on the device, so a
     deferred count is never read by the host).
     """
-    memory_format = _dense_format(input)
+    memory_format = dense_format(input)
     if grad_output.dtype != saved.dtype or input.numel() == 0 or memory_format is None:
         return generic.input_grad(grad_output, input, saved, eps, totals, count, valid)
     mean, var, scale, _ = saved.unbind()

@@ -23,6 +23,7 @@ __all__ = [
     "backward_reduce",
     "channel_view",
     "constants",
+    "dense_format",
     "first_valid_sample",
     "input_grad",
     "local_moments",
@@ -90,6 +91,16 @@ def _channels_last_like(input: torch.Tensor) -> bool:
     return True
 
 
+def dense_format(tensor: torch.Tensor) -> torch.memory_format | None:
+    """The memory format ``tensor`` is contiguous in (contiguous, channels last), or ``None``."""
+    if tensor.is_contiguous():
+        return torch.contiguous_format
+    for format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if tensor.dim() == ndim and tensor.is_contiguous(memory_format=format):
+            return format
+    return None
+
+
 def output_format(input: torch.Tensor) -> torch.memory_format | None:
     """The memory format torch's batch norm gives the output for ``input``, where an
     element-wise op on ``input`` would give another; ``None`` where it gives the same.
@@ -99,11 +110,8 @@ def output_format(input: torch.Tensor) -> torch.memory_format | None:
     a transposed ``(N, L, C)`` batch (``x.transpose(1, 2)``) would give an output that
     ``.view`` refuses.
     """
-    if input.is_contiguous():
+    if dense_format(input) is not None:
         return None
-    for format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if input.dim() == ndim and input.is_contiguous(memory_format=format):
-            return None
     if _channels_last_like(input):
         return torch.channels_last if input.dim() == 4 else torch.channels_last_3d
     return torch.contiguous_format
