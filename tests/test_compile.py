@@ -448,6 +448,65 @@ def test_an_empty_rank_keeps_the_order_of_collectives_under_inductor(
         assert outcomes == [("ok", "")] * 3, outcomes
 
 
+class _CheckpointedFirstLayer(nn.Module):
+    """Two synchronized layers, the first inside an activation-checkpointed region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = syncbn.SyncBatchNorm(4)
+        self.second = syncbn.SyncBatchNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=False)
+        return self.second(torch.relu(h) * 1.5)
+
+
+def _checkpointed_empty_rank_with_inductor(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0's second local batch is empty. Inductor's partitioner recomputed the
+    checkpointed layer's collective op in the backward graph, where nothing orders it on
+    the empty rank: it ran there before the second layer's backward collective, and after
+    it on the other rank (gloo aborted on the payload sizes)."""
+    _inductor_once()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CheckpointedFirstLayer().double()
+    reference = copy.deepcopy(model)  # eager mode, checkpointed alike
+    compiled = torch.compile(model, fullgraph=True)
+    results: dict[str, Any] = {"gradients": [], "calls": []}
+    for size in [3, 0] if rank == 0 else [2, 3]:
+        x = torch.randn(size, 4, 6, dtype=torch.float64)
+        grads = []
+        for module in (compiled, reference):
+            leaf = x.clone().requires_grad_()
+            module(leaf).sin().sum().backward()
+            grads.append(leaf.grad)
+        results["gradients"].append(grads)
+        # collectives of the checkpointed layer so far, compiled and eager
+        results["calls"].append((model.first._sync_calls, reference.first._sync_calls))
+    results["states"] = [model.state_dict(), reference.state_dict()]
+    results["parameter_grads"] = [
+        [p.grad for p in module.parameters()] for module in (model, reference)
+    ]
+    return results
+
+
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
+    pool2: WorkerPool,
+) -> None:
+    for result in pool2.run(_checkpointed_empty_rank_with_inductor, timeout=240.0):
+        for compiled, eager in result["gradients"]:
+            torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+        for compiled, eager in zip(*result["parameter_grads"]):
+            torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+        compiled_state, eager_state = result["states"]
+        for key, value in eager_state.items():
+            torch.testing.assert_close(compiled_state[key], value, rtol=1e-10, atol=1e-12)
+        # compiled, the forward's global moments are saved for backward: one collective
+        # per step in forward; eager checkpointing recomputes it in backward (two)
+        assert result["calls"] == [(1, 2), (2, 4)]
+
+
 _FUNCTIONAL_IN_A_FRESH_PROCESS = """
 import torch
 from syncbn.functional import sync_batch_norm

@@ -49,6 +49,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 from torch.fx.experimental import proxy_tensor
 
 from syncbn import _composite, _protocol, distributed
@@ -133,6 +134,10 @@ REVISION = _revision()
 FULLGRAPH = hasattr(torch.library, "register_autograd") and hasattr(torch.library, "register_fake")
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
+
+#: the activation-checkpointing policy that torch's partitioner reads from a node's
+#: ``recompute`` meta (torch >= 2.4, as :data:`FULLGRAPH`)
+_MUST_SAVE = getattr(getattr(torch.utils.checkpoint, "CheckpointPolicy", None), "MUST_SAVE", None)
 
 
 def is_compiling() -> bool:
@@ -269,9 +274,38 @@ def _sync_moments_backward_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     _, _, _, site_key, group_name, _, _ = inputs
+    _save_rather_than_recompute()
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.site_key = site_key
     ctx.group_name = group_name
+
+
+def _save_rather_than_recompute() -> None:
+    """Keep the ``syncbn::sync_moments`` call just traced out of recomputation in backward.
+
+    Inside an activation-checkpointed region, torch.compile tags every op to be
+    recomputed in the backward graph, collectives included (``torch.utils.checkpoint``'s
+    default policy). A recomputed collective runs where the backward graph's data
+    dependencies allow, and on a rank whose local batch is empty it has none: inductor
+    ran it at another place in the backward than the other ranks did (gloo aborted on the
+    payload sizes). So the call's outputs are saved for backward instead (``2C + 3``
+    numbers), as torch's partitioner saves its own collectives' outside checkpointed
+    regions and effectful ops' everywhere: the backward has one collective fewer, and
+    the recomputed maths use the forward's global moments. The op's tuple node and its
+    ``getitem`` outputs are tagged, which is what the partitioner reads; setup_context
+    runs right after the op is traced, when it is the latest ``sync_moments`` node of the
+    graph. Outside of an AOTAutograd trace there is no graph, and nothing to do.
+    """
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or _MUST_SAVE is None:
+        return
+    op = torch.ops.syncbn.sync_moments.default
+    for node in reversed(mode.tracer.graph.nodes):
+        if node.target is op:
+            node.meta["recompute"] = _MUST_SAVE
+            for user in node.users:  # the getitem of each output
+                user.meta["recompute"] = _MUST_SAVE
+            return
 
 
 def _autograd_backward(
