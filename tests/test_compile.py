@@ -507,6 +507,59 @@ def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
         assert result["calls"] == [(1, 2), (2, 4)]
 
 
+def _blocks(count: int) -> list[nn.Module]:
+    """``count`` identical conv/SyncBatchNorm/ReLU blocks, as a model repeats them."""
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(nn.Conv2d(4, 4, 1), syncbn.SyncBatchNorm(4), nn.ReLU()).double()
+        for _ in range(count)
+    ]
+
+
+def _regional_compilation(rank: int, world_size: int) -> dict[str, Any]:
+    """Each block compiled on its own (regional compilation), against eager mode; then
+    rank 1 calls two blocks in the other order, which the layer-order check must find."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    blocks = _blocks(10)
+    reference = copy.deepcopy(blocks)
+    compiled = [torch.compile(block, fullgraph=True, backend="aot_eager") for block in blocks]
+    x = torch.randn(2 + rank, 4, 3, 3, dtype=torch.float64)
+    outputs = []
+    for chain in (compiled, reference):
+        h = x.clone().requires_grad_()
+        y = h
+        for block in chain:
+            y = block(y)
+        y.sin().sum().backward()
+        outputs.append((y.detach(), h.grad))
+    first, second = compiled[:2] if rank == 0 else compiled[1::-1]
+    return {
+        "outputs": outputs,
+        "states": [[block.state_dict() for block in chain] for chain in (blocks, reference)],
+        "graphs": counters["stats"]["unique_graphs"],
+        "swapped": outcome(lambda: second(first(x))),
+    }
+
+
+@pytest.mark.timeout(180)  # the scenario's own bound plus the pool's start
+def test_regional_compilation_shares_one_graph_between_layers(pool2: WorkerPool) -> None:
+    """Before, each layer's registry key was an integer constant of its graph, which
+    dynamo guarded: every block recompiled, and fullgraph failed past the recompile
+    limit (8)."""
+    for result in pool2.run(_regional_compilation, timeout=120.0):
+        (compiled, compiled_grad), (eager, eager_grad) = result["outputs"]
+        torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-10, atol=1e-12)
+        for compiled_state, eager_state in zip(*result["states"]):
+            for key, value in eager_state.items():
+                torch.testing.assert_close(compiled_state[key], value, rtol=0, atol=1e-12)
+        assert result["graphs"] == 1, result["graphs"]  # ten blocks, one graph
+        kind, message = result["swapped"]
+        assert kind == "RuntimeError" and "SyncBatchNorm layer mismatch" in message, message
+
+
 _FUNCTIONAL_IN_A_FRESH_PROCESS = """
 import torch
 from syncbn.functional import sync_batch_norm
@@ -560,6 +613,33 @@ def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_worki
     _run_in_a_fresh_process(_FIRST_LAYER_UNDER_INFERENCE_MODE)
 
 
+_LOADED_INTO_A_META_LAYER = """
+import torch, torch.utils.checkpoint, syncbn
+state = torch.nn.BatchNorm1d(3).double().state_dict()
+with torch.device("meta"):  # no SyncBatchNorm on the CPU yet: no order token either
+    layer = syncbn.SyncBatchNorm(3).double()
+layer.load_state_dict(state, assign=True)
+assert layer._site.device.type == "cpu", layer._site.device
+step = lambda x, m: torch.utils.checkpoint.checkpoint(layer, x, m, use_reentrant=False)
+compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+x = torch.randn(4, 3, 5, dtype=torch.float64)
+mask = torch.rand(4, 5) < 0.7
+outputs = [compiled(x, mask) for _ in range(2)]
+reference = syncbn.SyncBatchNorm(3).double()
+for output in outputs:
+    torch.testing.assert_close(output, reference(x, mask), rtol=1e-10, atol=1e-12)
+torch.testing.assert_close(layer.running_var, reference.running_var, rtol=1e-10, atol=1e-12)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_loaded_with_assign_into_the_meta_device_compiles_in_a_checkpoint() -> None:
+    """``load_state_dict(assign=True)`` into a layer built on ``meta`` left the layer's
+    compiled state (order token, site tensor) unprepared: dynamo refused to create the
+    token inside the checkpointed region at every call."""
+    _run_in_a_fresh_process(_LOADED_INTO_A_META_LAYER)
+
+
 @pytest.mark.skipif(not _autograd._REFUSES_EPS, reason="torch < 2.10 takes eps <= 0")
 def test_an_eps_argument_that_torch_refuses_raises_its_error_under_compile() -> None:
     """``eps`` as an argument of the compiled step becomes symbolic at the second call, and
@@ -590,14 +670,14 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
     moments[0] = 36.0  # the count
     moments.requires_grad_()
     order = _compiled.order_token(moments.device)
-    forward_args = (moments, order, layer.num_batches_tracked, layer._site_key, "", 0.1)
+    forward_args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1)
     grad = torch.rand(2 * 8 + 1, dtype=torch.float64)
     ops = torch.ops.syncbn
     checks = [
         torch.library.opcheck(ops.sync_moments.default, (*forward_args, _compiled.REVISION)),
         torch.library.opcheck(
             ops.sync_moments_backward.default,
-            (grad, grad, torch.empty_like(grad), layer._site_key, ""),
+            (grad, grad, torch.empty_like(grad), layer._site, ""),
         ),
     ]
     for op, results in zip(("sync_moments", "sync_moments_backward"), checks):

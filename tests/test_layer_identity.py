@@ -9,6 +9,7 @@ usual ways of building, copying and restoring models that must not raise.
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -159,10 +160,11 @@ def test_layers_pickled_by_version_0_1_load() -> None:
     for key in ("_check_mode", "_construction_index", "_sync_alone", "_original_class"):
         del state[key]
     state["layer_name"] = "block.bn"
+    state["_site_key"] = state.pop("_site").__dict__["_syncbn_site_key"]  # an integer then
     old = syncbn.SyncBatchNorm.__new__(syncbn.SyncBatchNorm)
     old.__setstate__(state)
     assert old.layer_name == "block.bn" and old.layer_identity == "block.bn"
-    assert old.check_mode == "auto" and old._site_key != layer._site_key
+    assert old.check_mode == "auto" and old._site is not layer._site
     assert type(syncbn.revert_sync_batchnorm(old)) is syncbn.BatchNormNd
     torch.testing.assert_close(old(torch.randn(4, 3)).mean(0), torch.zeros(3), atol=1e-6, rtol=0)
 
@@ -193,3 +195,21 @@ def test_a_deep_copy_shares_the_process_group(pool2: WorkerPool) -> None:
     for result in pool2.run(_deepcopy_with_group):
         assert result["shared"]
         torch.testing.assert_close(result["mean"], torch.full((3,), 0.05))  # momentum 0.1
+
+
+def test_each_layer_copy_and_move_has_its_own_site_tensor_on_its_device() -> None:
+    """The compiled ops find their layer from its site tensor (``syncbn._compiled``): a
+    copy needs its own, and a move (also of a layer without per-channel tensors, which
+    torch.nn would not move) one on the new device."""
+    layer = syncbn.SyncBatchNorm(3)
+    bare = syncbn.SyncBatchNorm(3, affine=False, track_running_stats=False)
+    copies = [copy.deepcopy(layer), pickle.loads(pickle.dumps(layer)), copy.deepcopy(bare)]
+    sites = [layer._site, bare._site] + [copied._site for copied in copies]
+    assert len({id(site) for site in sites}) == len(sites)
+    assert len({int(site) for site in sites}) == len(sites)  # each names its own layer
+    for module in (layer, bare):
+        module.to("meta")
+        assert module._site.device.type == "meta"
+    state = syncbn.SyncBatchNorm(3).state_dict()
+    layer.load_state_dict(state, assign=True)
+    assert layer._site.device.type == "cpu"

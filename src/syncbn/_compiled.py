@@ -19,11 +19,15 @@ neighbours, around one opaque op per direction:
 
 Dynamo cannot trace a collective whose result is read on the host, nor the autograd
 engine's state that the checkpointing guard reads, nor a Python call counter: hence the
-ops, which hold only that. They receive the calling layer as an integer key into a
-registry of weak references (a graph can hold no Python object); at run time the layer
-supplies its process group, identity, call count and settings, so that changing them needs
-no recompilation. The functional form has no layer (key 0): its ops name the process group
-by its ``group_name`` and take the momentum.
+ops, which hold only that. They receive the calling layer as its site tensor
+(:func:`site_tensor`): a one-element tensor of the layer's, which dynamo passes to the
+graph as an input (a graph can hold no Python object), and which names the layer in a
+registry of weak references. At run time the layer supplies its process group, identity,
+call count and settings, so that changing them needs no recompilation; and layers that
+differ in nothing else share one compiled graph (regional compilation: each repeated block
+compiled on its own, as torch recommends for large models; an integer key was a constant
+that dynamo guarded, one recompilation per layer). The functional form has no layer (no
+site tensor): its ops name the process group by its ``group_name`` and take the momentum.
 
 Ranks must run their collectives in the same order, and a compiled graph may run ops in
 any order that its data dependencies allow: on a rank whose local batch is empty there
@@ -76,7 +80,7 @@ __all__ = [
     "is_compiling",
     "leaf_call_when_fx_traced",
     "outside_graph",
-    "register_site",
+    "site_tensor",
     "sync_batch_norm_train",
 ]
 
@@ -97,17 +101,39 @@ _sites: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _keys = itertools.count(1)
 
 
-def register_site(site: SyncSite) -> int:
-    """Register ``site`` for the compiled ops; returns its key (alive as long as the site)."""
+def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
+    """A new one-element tensor on ``device`` that names ``site`` to the compiled ops.
+
+    The layer keeps it as a plain attribute (not a buffer: no ``state_dict`` entry) and
+    passes it to the ops, which find the layer from it at run time (:func:`_site`): dynamo
+    passes such a tensor to the graph as an input, the same object at every call, with no
+    guard on which tensor it is. Its ``_syncbn_site_key`` attribute names the site in a
+    registry of weak references, so that a deleted layer is not kept alive; its value is
+    that key too, read (on the host) only from a copy that lost the attribute
+    (``torch.library.opcheck`` clones the arguments). Like the order token, it is marked
+    as a static input (its address never changes: CUDA graphs use it in place) and is
+    never an inference tensor.
+    """
     key = next(_keys)
     _sites[key] = site
-    return key
+    with torch.inference_mode(False):
+        tensor = torch.full((1,), key, dtype=torch.int64, device=device)
+    tensor._syncbn_site_key = key  # type: ignore[attr-defined]
+    tensor._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
+    return tensor
 
 
-def _site(key: int) -> SyncSite:
+def _site(tensor: torch.Tensor) -> SyncSite:
+    """The layer that ``tensor`` (from :func:`site_tensor`) names."""
+    key = getattr(tensor, "_syncbn_site_key", None)
+    if key is None:  # a copy: its value (a host read)
+        key = int(tensor.item())
     site = _sites.get(key)
     if site is None:
-        raise RuntimeError(f"syncbn: the SyncBatchNorm layer of compiled call {key} was deleted")
+        raise RuntimeError(
+            "syncbn: the SyncBatchNorm layer of a compiled call was deleted, or the call "
+            "received a tensor that names no layer"
+        )
     return site  # type: ignore[no-any-return]
 
 
@@ -176,16 +202,17 @@ def leaf_call_when_fx_traced(module: torch.nn.Module, input: Any, **kwargs: Any)
 
 
 def _options(
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     num_features: int,
     momentum: float | None,
     backward: bool,
 ) -> TrainOptions:
-    """The options of a call: from its layer (``site_key > 0``), else of a functional call."""
-    if site_key:
-        site = _site(site_key)
-        return site.last_train_options() if backward else site.next_train_options()
+    """The options of a call: from its layer (named by its ``site`` tensor), else of a
+    functional call."""
+    if site is not None:
+        layer = _site(site)
+        return layer.last_train_options() if backward else layer.next_train_options()
     reducer = reducer_for(distributed.group_from_name(group_name))
     return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
 
@@ -208,13 +235,13 @@ def _sync_moments(
     moments: torch.Tensor,
     order: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
     revision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_features = (moments.numel() - 1) // 2
-    options = _options(site_key, group_name, num_features, momentum, backward=False)
+    options = _options(site, group_name, num_features, momentum, backward=False)
     device = moments.device
     mode = resolve_mode(options, device)  # outside join_on_error: see there
     with join_on_error(options, "forward", device):
@@ -235,7 +262,7 @@ def _sync_moments_fake(
     moments: torch.Tensor,
     order: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
     revision: str,
@@ -247,11 +274,11 @@ def _sync_moments_backward(
     grad_moments: torch.Tensor,
     after: torch.Tensor,
     out: torch.Tensor,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
 ) -> None:
     num_features = (grad_moments.numel() - 1) // 2
-    options = _options(site_key, group_name, num_features, None, backward=True)
+    options = _options(site, group_name, num_features, None, backward=True)
     device = grad_moments.device
     resolve_mode(options, device)  # a deferred problem, before the collective (see there)
     with join_on_error(options, "backward", device):
@@ -266,17 +293,19 @@ def _sync_moments_backward_fake(
     grad_moments: torch.Tensor,
     after: torch.Tensor,
     out: torch.Tensor,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
 ) -> None:
     return None
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, _, site_key, group_name, _, _ = inputs
+    _, _, _, site, group_name, _, _ = inputs
     _save_rather_than_recompute()
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.site_key = site_key
+    # an attribute, not saved for backward: the backward op only needs to find the layer
+    # (the same tensor object: tested), and saved tensors' version checks have no use here
+    ctx.site = site
     ctx.group_name = group_name
 
 
@@ -315,7 +344,7 @@ def _autograd_backward(
     # rank's moments is the sum over the ranks of the global moments' gradients
     grad = torch.empty_like(grad_moments)
     after = _previous_backward_output(grad, first=grad_moments)
-    torch.ops.syncbn.sync_moments_backward(grad_moments, after, grad, ctx.site_key, ctx.group_name)
+    torch.ops.syncbn.sync_moments_backward(grad_moments, after, grad, ctx.site, ctx.group_name)
     return grad, None, None, None, None, None, None
 
 
@@ -325,7 +354,7 @@ def _fail_forward(
     parameters: list[torch.Tensor | None],
     mask: torch.Tensor | None,
     order: torch.Tensor,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     num_features: int,
     eps: float,
@@ -339,7 +368,7 @@ def _fail_forward(
         problem = mask_problem(mask, input)
     if problem is None:  # pragma: no cover - tracing and run time see the same metadata
         problem = RuntimeError("syncbn: a call traced as invalid is valid at run time")
-    options = _options(site_key, group_name, num_features, None, backward=False)
+    options = _options(site, group_name, num_features, None, backward=False)
     with join_on_error(options, "forward", anchor.device):
         raise problem
     raise AssertionError("unreachable")  # pragma: no cover - the context re-raises
@@ -351,7 +380,7 @@ def _fail_forward_fake(
     parameters: list[torch.Tensor | None],
     mask: torch.Tensor | None,
     order: torch.Tensor,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     num_features: int,
     eps: float,
@@ -362,19 +391,19 @@ def _fail_forward_fake(
 #: the ops' schemas, and their run-time and tracing (fake) implementations
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     "sync_moments": (
-        "(Tensor moments, Tensor order, Tensor? num_batches_tracked, int site_key, "
+        "(Tensor moments, Tensor order, Tensor? num_batches_tracked, Tensor? site, "
         "str group_name, float? momentum, str revision) -> (Tensor, Tensor, Tensor)",
         _sync_moments,
         _sync_moments_fake,
     ),
     "sync_moments_backward": (
-        "(Tensor grad_moments, Tensor after, Tensor(a!) out, int site_key, str group_name) -> ()",
+        "(Tensor grad_moments, Tensor after, Tensor(a!) out, Tensor? site, str group_name) -> ()",
         _sync_moments_backward,
         _sync_moments_backward_fake,
     ),
     "fail_forward": (
         "(Tensor input, Tensor anchor, Tensor?[] parameters, Tensor? mask, Tensor order, "
-        "int site_key, str group_name, int num_features, float eps) -> Tensor",
+        "Tensor? site, str group_name, int num_features, float eps) -> Tensor",
         _fail_forward,
         _fail_forward_fake,
     ),
@@ -499,7 +528,7 @@ def _previous_backward_output(output: torch.Tensor, first: torch.Tensor) -> torc
 
 def _exchange(
     num_batches_tracked: torch.Tensor | None,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
 ) -> _composite.Exchange:
@@ -509,7 +538,7 @@ def _exchange(
     def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         order = order_token(moments.device)
         global_moments, update, advanced = torch.ops.syncbn.sync_moments(
-            moments, order, num_batches_tracked, site_key, group_name, momentum, REVISION
+            moments, order, num_batches_tracked, site, group_name, momentum, REVISION
         )
         _advance(order, advanced)
         return global_moments, update
@@ -529,7 +558,7 @@ def sync_batch_norm_train(
     num_features: int,
     eps: float,
     momentum: float | None,
-    site_key: int,
+    site: torch.Tensor | None,
     group_name: str = "",
 ) -> torch.Tensor:
     """A synchronized (or masked) training call while dynamo traces: :mod:`syncbn._composite`
@@ -540,9 +569,9 @@ def sync_batch_norm_train(
 
     Args:
         num_features: the layer's channel count (an input with another count is invalid).
-        site_key: the layer's key (:func:`register_site`), or 0 for a functional call,
-            whose ops name its process group by ``group_name`` (``""``: the default group)
-            and take ``eps`` and ``momentum``.
+        site: the layer's site tensor (:func:`site_tensor`), or None for a functional
+            call, whose ops name its process group by ``group_name`` (``""``: the default
+            group) and take ``eps`` and ``momentum``.
     """
     per_channel = first_given(weight, bias, running_mean, running_var)
     anchor = input if per_channel is None else per_channel  # where the buffers live
@@ -560,7 +589,7 @@ def sync_batch_norm_train(
             [None if tensor is None else tensor.detach() for tensor in parameters],
             None if mask is None else mask.detach(),
             order_token(anchor.device),
-            site_key,
+            site,
             group_name,
             num_features,
             eps,
@@ -571,7 +600,7 @@ def sync_batch_norm_train(
         weight,
         bias,
         mask,
-        _exchange(num_batches_tracked, site_key, group_name, momentum),
+        _exchange(num_batches_tracked, site, group_name, momentum),
         eps=eps,
         running_mean=running_mean,
         running_var=running_var,

@@ -102,7 +102,7 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
     )
     share_state(source, twin)  # None entries too (torch >= 2.13's bias=False)
     # a SyncBatchNorm built on the meta device now holds tensors on another device
-    prepare = getattr(twin, "_prepare_order_token", None)
+    prepare = getattr(twin, "_prepare_compiled_state", None)
     if prepare is not None:
         prepare()
     return twin

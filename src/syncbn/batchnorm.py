@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,9 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         >>> model = syncbn.convert_sync_batchnorm(torchvision.models.resnet50())
     """
 
+    #: names the layer to the compiled ops (:func:`syncbn._compiled.site_tensor`)
+    _site: torch.Tensor
+
     def __init__(
         self,
         num_features: int,
@@ -145,25 +148,46 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         # tests and benchmarks only: synchronize through the process group even when it has
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
         self._sync_alone = False
-        self._site_key = _compiled.register_site(self)
-        self._prepare_order_token()
+        self._prepare_compiled_state()  # the layer's site tensor (_site) and order token
 
     def reset_parameters(self) -> None:
         if not reset_without_bias(self):
             super().reset_parameters()
 
-    def _apply(self, *args: Any, **kwargs: Any) -> SyncBatchNorm:
-        # .to(), .cuda(), .to_empty(): the layer's new device needs its order token
-        moved = super()._apply(*args, **kwargs)
-        self._prepare_order_token()
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> SyncBatchNorm:
+        # .to(), .cuda(), .to_empty(): the compiled ops' state on the new device
+        moved = super()._apply(fn, *args, **kwargs)
+        # a layer without per-channel tensors: where fn moves a tensor
+        self._prepare_compiled_state(lambda: fn(self._site).device)
         return moved
 
-    def _prepare_order_token(self) -> None:
-        """Create the order token of the layer's device before dynamo first traces a call
-        (:func:`syncbn._compiled.order_token`; a graph that created it would recompile)."""
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # load_state_dict(assign=True) replaces the tensors, maybe onto another device (a
+        # layer built on the meta device)
+        super()._load_from_state_dict(*args, **kwargs)
+        self._prepare_compiled_state()
+
+    def _prepare_compiled_state(
+        self, device_without_tensors: Callable[[], torch.device] | None = None
+    ) -> None:
+        """Before dynamo first traces a call: on the device of the layer's per-channel
+        tensors, the layer's site tensor (:func:`syncbn._compiled.site_tensor`, a new one
+        if it is elsewhere) and the device's order token (:func:`syncbn._compiled.order_token`;
+        a graph that created it would recompile). A layer without per-channel tensors keeps
+        its site tensor on ``device_without_tensors()``, else where it is (CPU at first).
+        """
+        site = self.__dict__.get("_site")  # none yet in __init__ and __setstate__
         per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
-        if per_channel is not None and per_channel.device.type != "meta" and _compiled.FULLGRAPH:
-            _compiled.prepare_order_token(per_channel.device)
+        if per_channel is not None:
+            device = per_channel.device
+        elif device_without_tensors is not None:
+            device = device_without_tensors()
+        else:
+            device = torch.device("cpu") if site is None else site.device
+        if site is None or site.device != device:
+            self._site = _compiled.site_tensor(self, device)
+        if device.type != "meta" and _compiled.FULLGRAPH:
+            _compiled.prepare_order_token(device)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         """The default deep copy, except that the copy shares the process group.
@@ -179,14 +203,17 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # copy.deepcopy and unpickling: a new object needs its own key for the compiled ops
-        # (the construction index is kept: it is the same layer of the same model code)
+        # copy.deepcopy and unpickling: a new object needs its own site tensor for the
+        # compiled ops, on the device of the one it copies (the construction index is kept:
+        # it is the same layer of the same model code)
         state = self._upgrade_identity_state(state)
         state.setdefault("_sync_alone", False)
         state.setdefault("_original_class", None)
+        site = state.pop("_site", None)
+        state.pop("_site_key", None)  # pickled before site tensors: an integer key
         super().__setstate__(state)
-        self._site_key = _compiled.register_site(self)
-        self._prepare_order_token()
+        # a new site tensor, where the copied layer's was
+        self._prepare_compiled_state(None if site is None else lambda: site.device)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         parameters = (self.weight, self.bias, self.running_mean, self.running_var)
@@ -232,7 +259,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             num_features=self.num_features,
             eps=self.eps,
             momentum=self.momentum,
-            site_key=self._site_key,
+            site=self._site,
         )
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

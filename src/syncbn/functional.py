@@ -130,7 +130,7 @@ def sync_batch_norm(
             num_features=num_features,
             eps=eps,
             momentum=momentum,
-            site_key=0,
+            site=None,
             group_name="" if process_group is None else process_group.group_name,
         )
     train = _train_outside_graph if compiling else _train  # compiling: torch < 2.4
