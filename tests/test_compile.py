@@ -461,11 +461,14 @@ class _CheckpointedFirstLayer(nn.Module):
         return self.second(torch.relu(h) * 1.5)
 
 
-def _checkpointed_empty_rank_with_inductor(rank: int, world_size: int) -> dict[str, Any]:
+def _checkpointed_empty_rank_with_inductor(
+    rank: int, world_size: int, input_grad: bool
+) -> dict[str, Any]:
     """Rank 0's second local batch is empty. Inductor's partitioner recomputed the
     checkpointed layer's collective op in the backward graph, where nothing orders it on
     the empty rank: it ran there before the second layer's backward collective, and after
-    it on the other rank (gloo aborted on the payload sizes)."""
+    it on the other rank (gloo aborted on the payload sizes). Without ``input_grad`` the
+    layer's input needs no gradient (a frozen stem before it), its weight does."""
     _inductor_once()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -477,7 +480,7 @@ def _checkpointed_empty_rank_with_inductor(rank: int, world_size: int) -> dict[s
         x = torch.randn(size, 4, 6, dtype=torch.float64)
         grads = []
         for module in (compiled, reference):
-            leaf = x.clone().requires_grad_()
+            leaf = x.clone().requires_grad_(input_grad)
             module(leaf).sin().sum().backward()
             grads.append(leaf.grad)
         results["gradients"].append(grads)
@@ -491,12 +494,16 @@ def _checkpointed_empty_rank_with_inductor(rank: int, world_size: int) -> dict[s
 
 
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "frozen-stem"])
 def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
-    pool2: WorkerPool,
+    pool2: WorkerPool, input_grad: bool
 ) -> None:
-    for result in pool2.run(_checkpointed_empty_rank_with_inductor, timeout=240.0):
+    for result in pool2.run(_checkpointed_empty_rank_with_inductor, input_grad, timeout=240.0):
         for compiled, eager in result["gradients"]:
-            torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+            if input_grad:
+                torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+            else:
+                assert compiled is None and eager is None
         for compiled, eager in zip(*result["parameter_grads"]):
             torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
         compiled_state, eager_state = result["states"]

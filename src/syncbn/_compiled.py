@@ -309,7 +309,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.group_name = group_name
 
 
-def _save_rather_than_recompute() -> None:
+def _save_rather_than_recompute(tracing: Any = None) -> None:
     """Keep the ``syncbn::sync_moments`` call just traced out of recomputation in backward.
 
     Inside an activation-checkpointed region, torch.compile tags every op to be
@@ -321,11 +321,18 @@ def _save_rather_than_recompute() -> None:
     numbers), as torch's partitioner saves its own collectives' outside checkpointed
     regions and effectful ops' everywhere: the backward has one collective fewer, and
     the recomputed maths use the forward's global moments. The op's tuple node and its
-    ``getitem`` outputs are tagged, which is what the partitioner reads; setup_context
-    runs right after the op is traced, when it is the latest ``sync_moments`` node of the
-    graph. Outside of an AOTAutograd trace there is no graph, and nothing to do.
+    ``getitem`` outputs are tagged (``recompute`` meta), which is what the partitioner
+    reads, after whatever tagged them while the op was traced, right after the op, when
+    it is the latest ``sync_moments`` node of the graph: by :func:`_tag_after` under the
+    tracing dispatch mode (where torch < 2.12 copies checkpointing's tag into the new
+    node) and under checkpointing's own dispatch mode (which tags the new nodes after
+    tracing them: selective checkpointing, and plain checkpointing on torch >= 2.12),
+    whether or not an input requires grad; and by the op's ``setup_context`` (when one
+    does), in case a torch traces with another mode. Outside of an AOTAutograd trace
+    there is no graph, and nothing to do. ``tracing``: the tracing mode, when the caller
+    runs under it (which takes it off the mode stack meanwhile).
     """
-    mode = proxy_tensor.get_proxy_mode()
+    mode = proxy_tensor.get_proxy_mode() if tracing is None else tracing
     if mode is None or _MUST_SAVE is None:
         return
     op = torch.ops.syncbn.sync_moments.default
@@ -335,6 +342,20 @@ def _save_rather_than_recompute() -> None:
             for user in node.users:  # the getitem of each output
                 user.meta["recompute"] = _MUST_SAVE
             return
+
+
+def _tag_after(mode: Any, *args: Any, **kwargs: Any) -> Any:
+    """``syncbn::sync_moments`` under a dispatch mode that tags the nodes it traces
+    (registered for AOTAutograd's tracing mode and checkpointing's caching mode): the
+    mode's own handling, then :func:`_save_rather_than_recompute`. The op's
+    ``setup_context`` alone runs only when an input requires grad: a checkpointed layer
+    fed by a frozen stem (its input needs no grad, its weight does) was recomputed in
+    backward."""
+    op = torch.ops.syncbn.sync_moments.default
+    output = mode.__torch_dispatch__(op, (), args, kwargs)
+    tracing = isinstance(mode, proxy_tensor.ProxyTorchDispatchMode)
+    _save_rather_than_recompute(mode if tracing else None)
+    return output
 
 
 def _autograd_backward(
@@ -440,6 +461,10 @@ def _define_ops() -> None:
     torch.library.register_autograd(
         "syncbn::sync_moments", _autograd_backward, setup_context=_setup_context, lib=_library
     )
+    caching_mode = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    for mode in (proxy_tensor.ProxyTorchDispatchMode, caching_mode):
+        if mode is not None:  # (caching mode: torch >= 2.4, as FULLGRAPH)
+            torch.ops.syncbn.sync_moments.default.py_impl(mode)(_tag_after)
 
 
 def _keep_in_graph(op: torch._ops.OpOverload) -> None:
