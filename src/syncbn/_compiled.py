@@ -324,9 +324,9 @@ def _save_rather_than_recompute(tracing: Any = None) -> None:
     ``getitem`` outputs are tagged (``recompute`` meta), which is what the partitioner
     reads, after whatever tagged them while the op was traced, right after the op, when
     it is the latest ``sync_moments`` node of the graph: by :func:`_tag_after` under the
-    tracing dispatch mode (where torch < 2.12 copies checkpointing's tag into the new
-    node) and under checkpointing's own dispatch mode (which tags the new nodes after
-    tracing them: selective checkpointing, and plain checkpointing on torch >= 2.12),
+    tracing dispatch mode (where plain checkpointing's tag is copied into the new node:
+    torch 2.11) and under checkpointing's own dispatch mode (which tags the new nodes
+    after tracing them: selective checkpointing, and plain checkpointing on torch 2.13),
     whether or not an input requires grad; and by the op's ``setup_context`` (when one
     does), in case a torch traces with another mode. Outside of an AOTAutograd trace
     there is no graph, and nothing to do. ``tracing``: the tracing mode, when the caller
