@@ -9,9 +9,11 @@ training step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ from _harness import WorkerPool, outcome
 from torch import nn
 
 import syncbn
-from syncbn import _autograd
+from syncbn import _autograd, _compiled
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.library, "custom_op"), reason="fullgraph compile needs torch >= 2.4"
@@ -476,12 +478,15 @@ def _checkpointed_empty_rank_with_inductor(
     reference = copy.deepcopy(model)  # eager mode, checkpointed alike
     compiled = torch.compile(model, fullgraph=True)
     results: dict[str, Any] = {"gradients": [], "calls": []}
+    results["host_reads"] = 0
     for size in [3, 0] if rank == 0 else [2, 3]:
         x = torch.randn(size, 4, 6, dtype=torch.float64)
         grads = []
         for module in (compiled, reference):
             leaf = x.clone().requires_grad_(input_grad)
-            module(leaf).sin().sum().backward()
+            with _site_tensors_read_on_the_host() as host_reads:
+                module(leaf).sin().sum().backward()
+            results["host_reads"] += len(host_reads)
             grads.append(leaf.grad)
         results["gradients"].append(grads)
         # collectives of the checkpointed layer so far, compiled and eager
@@ -512,6 +517,27 @@ def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
         # compiled, the forward's global moments are saved for backward: one collective
         # per step in forward; eager checkpointing recomputes it in backward (two)
         assert result["calls"] == [(1, 2), (2, 4)]
+        assert result["host_reads"] == 0, result["host_reads"]  # see the regional test
+
+
+@contextlib.contextmanager
+def _site_tensors_read_on_the_host() -> Iterator[list[torch.Tensor]]:
+    """The site tensors that reached syncbn's compiled ops as another object than the
+    layer's own (a copy, whose value ``_compiled._site`` reads on the host: a sync per
+    layer call on a GPU, and an error inside a CUDA graph capture)."""
+    read: list[torch.Tensor] = []
+    find = _compiled._site
+
+    def spy(tensor: torch.Tensor) -> Any:
+        if getattr(tensor, "_syncbn_site_key", None) is None:
+            read.append(tensor)
+        return find(tensor)
+
+    _compiled._site = spy
+    try:
+        yield read
+    finally:
+        _compiled._site = find
 
 
 def _blocks(count: int) -> list[nn.Module]:
@@ -534,15 +560,17 @@ def _regional_compilation(rank: int, world_size: int) -> dict[str, Any]:
     compiled = [torch.compile(block, fullgraph=True, backend="aot_eager") for block in blocks]
     x = torch.randn(2 + rank, 4, 3, 3, dtype=torch.float64)
     outputs = []
-    for chain in (compiled, reference):
-        h = x.clone().requires_grad_()
-        y = h
-        for block in chain:
-            y = block(y)
-        y.sin().sum().backward()
-        outputs.append((y.detach(), h.grad))
+    with _site_tensors_read_on_the_host() as host_reads:
+        for chain in (compiled, reference):
+            h = x.clone().requires_grad_()
+            y = h
+            for block in chain:
+                y = block(y)
+            y.sin().sum().backward()
+            outputs.append((y.detach(), h.grad))
     first, second = compiled[:2] if rank == 0 else compiled[1::-1]
     return {
+        "host_reads": len(host_reads),
         "outputs": outputs,
         "states": [[block.state_dict() for block in chain] for chain in (blocks, reference)],
         "graphs": counters["stats"]["unique_graphs"],
@@ -563,6 +591,8 @@ def test_regional_compilation_shares_one_graph_between_layers(pool2: WorkerPool)
             for key, value in eager_state.items():
                 torch.testing.assert_close(compiled_state[key], value, rtol=0, atol=1e-12)
         assert result["graphs"] == 1, result["graphs"]  # ten blocks, one graph
+        # each op got the layer's own site tensor: found without reading its value
+        assert result["host_reads"] == 0, result["host_reads"]
         kind, message = result["swapped"]
         assert kind == "RuntimeError" and "SyncBatchNorm layer mismatch" in message, message
 
