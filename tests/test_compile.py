@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(
     not hasattr(torch.library, "custom_op"), reason="fullgraph compile needs torch >= 2.4"
 )
 
+#: whether an exception raised while dynamo traces reaches the caller as it is (torch >= 2.9)
+_NAMES_TRACED_ERRORS = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+
 
 def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     grads = [(name, p.grad) for name, p in model.named_parameters()]
@@ -498,6 +501,11 @@ def _checkpointed_empty_rank_with_inductor(
     return results
 
 
+@pytest.mark.skipif(
+    _compiled._MUST_SAVE is None,
+    reason="torch < 2.9 recomputes a checkpointed layer's collective in backward "
+    "(README: an empty rank under inductor and checkpointing)",
+)
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "frozen-stem"])
 def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
@@ -751,5 +759,8 @@ def test_a_cumulative_average_compiles_where_it_does_not_synchronize() -> None:
         torch.testing.assert_close(compiled(x), plain(x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.state_dict(), plain.state_dict(), rtol=1e-12, atol=1e-12)
     assert int(model.state_dict()["1.num_batches_tracked"]) == 3
-    with pytest.raises(Exception, match="Expected more than 1 value per channel"):
+    # torch < 2.9's dynamo replaces an exception raised while it traces with its own
+    # "Observed exception" (torch's BatchNorm alike)
+    message = "Expected more than 1 value per channel" if _NAMES_TRACED_ERRORS else "Observed"
+    with pytest.raises(Exception, match=message):
         compiled(torch.randn(1, 3, 1, 1, dtype=torch.float64))

@@ -161,9 +161,25 @@ FULLGRAPH = hasattr(torch.library, "register_autograd") and hasattr(torch.librar
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
+#: the tracing (proxy) dispatch mode in force, or None: ``get_proxy_mode`` from torch 2.5,
+#: ``get_innermost_proxy_mode`` (the same mode) on torch 2.4
+_proxy_mode: Callable[[], Any] = (
+    proxy_tensor.get_proxy_mode
+    if hasattr(proxy_tensor, "get_proxy_mode")
+    else proxy_tensor.get_innermost_proxy_mode
+)
+
 #: the activation-checkpointing policy that torch's partitioner reads from a node's
-#: ``recompute`` meta (torch >= 2.4, as :data:`FULLGRAPH`)
-_MUST_SAVE = getattr(getattr(torch.utils.checkpoint, "CheckpointPolicy", None), "MUST_SAVE", None)
+#: ``recompute`` meta, or None where syncbn leaves its op to be recomputed. Used from torch
+#: 2.9: before it the partitioner also replays a checkpointed region's buffer mutations in
+#: the backward graph (``lerp`` and ``copy_`` into the running statistics, from the saved
+#: update), so with the op's outputs saved the running statistics moved twice per step
+#: (torch 2.4-2.8, measured); a recomputed op returns an update of zeros instead
+_MUST_SAVE = (
+    getattr(getattr(torch.utils.checkpoint, "CheckpointPolicy", None), "MUST_SAVE", None)
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+    else None
+)
 
 
 def is_compiling() -> bool:
@@ -332,7 +348,7 @@ def _save_rather_than_recompute(tracing: Any = None) -> None:
     there is no graph, and nothing to do. ``tracing``: the tracing mode, when the caller
     runs under it (which takes it off the mode stack meanwhile).
     """
-    mode = proxy_tensor.get_proxy_mode() if tracing is None else tracing
+    mode = _proxy_mode() if tracing is None else tracing
     if mode is None or _MUST_SAVE is None:
         return
     op = torch.ops.syncbn.sync_moments.default
@@ -543,7 +559,7 @@ def _previous_backward_output(output: torch.Tensor, first: torch.Tensor) -> torc
     2.8, which drops unused ops that mutate nothing. Outside of tracing (dynamo's
     ``"eager"`` backend runs the op itself) the autograd engine orders the calls.
     """
-    mode = proxy_tensor.get_proxy_mode()
+    mode = _proxy_mode()
     if mode is None:
         return first
     previous = _backward_outputs.get(mode, first)
