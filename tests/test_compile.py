@@ -466,6 +466,26 @@ class _CheckpointedFirstLayer(nn.Module):
         return self.second(torch.relu(h) * 1.5)
 
 
+@contextlib.contextmanager
+def _site_tensors_read_on_the_host() -> Iterator[list[torch.Tensor]]:
+    """The site tensors that reached syncbn's compiled ops as another object than the
+    layer's own (a copy, whose value ``_compiled._site`` reads on the host: a sync per
+    layer call on a GPU, and an error inside a CUDA graph capture)."""
+    read: list[torch.Tensor] = []
+    find = _compiled._site
+
+    def spy(tensor: torch.Tensor) -> Any:
+        if getattr(tensor, "_syncbn_site_key", None) is None:
+            read.append(tensor)
+        return find(tensor)
+
+    _compiled._site = spy
+    try:
+        yield read
+    finally:
+        _compiled._site = find
+
+
 def _checkpointed_empty_rank_with_inductor(
     rank: int, world_size: int, input_grad: bool
 ) -> dict[str, Any]:
@@ -480,8 +500,7 @@ def _checkpointed_empty_rank_with_inductor(
     model = _CheckpointedFirstLayer().double()
     reference = copy.deepcopy(model)  # eager mode, checkpointed alike
     compiled = torch.compile(model, fullgraph=True)
-    results: dict[str, Any] = {"gradients": [], "calls": []}
-    results["host_reads"] = 0
+    results: dict[str, Any] = {"gradients": [], "calls": [], "host_reads": 0}
     for size in [3, 0] if rank == 0 else [2, 3]:
         x = torch.randn(size, 4, 6, dtype=torch.float64)
         grads = []
@@ -526,26 +545,6 @@ def test_a_checkpointed_layer_and_an_empty_rank_keep_the_order_under_inductor(
         # per step in forward; eager checkpointing recomputes it in backward (two)
         assert result["calls"] == [(1, 2), (2, 4)]
         assert result["host_reads"] == 0, result["host_reads"]  # see the regional test
-
-
-@contextlib.contextmanager
-def _site_tensors_read_on_the_host() -> Iterator[list[torch.Tensor]]:
-    """The site tensors that reached syncbn's compiled ops as another object than the
-    layer's own (a copy, whose value ``_compiled._site`` reads on the host: a sync per
-    layer call on a GPU, and an error inside a CUDA graph capture)."""
-    read: list[torch.Tensor] = []
-    find = _compiled._site
-
-    def spy(tensor: torch.Tensor) -> Any:
-        if getattr(tensor, "_syncbn_site_key", None) is None:
-            read.append(tensor)
-        return find(tensor)
-
-    _compiled._site = spy
-    try:
-        yield read
-    finally:
-        _compiled._site = find
 
 
 def _blocks(count: int) -> list[nn.Module]:
