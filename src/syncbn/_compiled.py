@@ -98,6 +98,10 @@ class SyncSite(Protocol):
 
 
 _sites: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: each live site tensor by its device and the address of its one element (see :func:`_site`)
+_site_tensors: weakref.WeakValueDictionary[tuple[torch.device, int], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
 _keys = itertools.count(1)
 
 
@@ -110,9 +114,10 @@ def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
     guard on which tensor it is. Its ``_syncbn_site_key`` attribute names the site in a
     registry of weak references, so that a deleted layer is not kept alive; its value is
     that key too, read (on the host) only from a copy that lost the attribute
-    (``torch.library.opcheck`` clones the arguments). Like the order token, it is marked
-    as a static input (its address never changes: CUDA graphs use it in place) and is
-    never an inference tensor.
+    (``torch.library.opcheck`` clones the arguments); an alias without the attribute (what
+    torch 2.4's compiled graphs pass) is found by its address. Like the order token, it is
+    marked as a static input (its address never changes: CUDA graphs use it in place) and
+    is never an inference tensor.
     """
     key = next(_keys)
     _sites[key] = site
@@ -120,12 +125,25 @@ def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
         tensor = torch.full((1,), key, dtype=torch.int64, device=device)
     tensor._syncbn_site_key = key  # type: ignore[attr-defined]
     tensor._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
+    if device.type != "meta":  # (no storage, no address: never run)
+        _site_tensors[tensor.device, tensor.data_ptr()] = tensor
     return tensor
+
+
+def _known_key(tensor: torch.Tensor) -> int | None:
+    """The key of the site that ``tensor`` names, found without reading its value: the
+    site tensor itself, or an alias of it (which shares its element: while the site tensor
+    lives, no other tensor has that address); ``None`` for a copy."""
+    key = getattr(tensor, "_syncbn_site_key", None)
+    if key is None:
+        aliased = _site_tensors.get((tensor.device, tensor.data_ptr()))
+        key = None if aliased is None else aliased._syncbn_site_key  # type: ignore[attr-defined]
+    return key
 
 
 def _site(tensor: torch.Tensor) -> SyncSite:
     """The layer that ``tensor`` (from :func:`site_tensor`) names."""
-    key = getattr(tensor, "_syncbn_site_key", None)
+    key = _known_key(tensor)
     if key is None:  # a copy: its value (a host read)
         key = int(tensor.item())
     site = _sites.get(key)

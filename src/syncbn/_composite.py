@@ -141,7 +141,9 @@ def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> Sh
     if mask is None:
         count = x.new_full((), x.numel() // num_channels, dtype=torch.float64)
         first = (0, slice(None)) + (0,) * (ndim - 2)
-        shift = detached[first] if x.numel() else x.new_zeros(num_channels)
+        # a comparison, not the size's truth value: dynamo 2.4-2.6 guards on the value of a
+        # size taken as a bool (one graph per batch size), on a comparison's result only
+        shift = detached[first] if x.numel() > 0 else x.new_zeros(num_channels)
         centered = x - channel_view(shift, ndim)
     else:
         valid = valid_positions(mask, x)
