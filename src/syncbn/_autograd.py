@@ -229,6 +229,7 @@ class ProcessGroupReducer(NamedTuple):
     participants: str = "ranks"
 
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+        distributed.check_alive(self.group)
         distributed.check_device_backend(buffer.device, self.group)
         return distributed.all_reduce_sum_(buffer, self.group)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_reduce_sum_",
+    "check_alive",
     "check_device_backend",
     "create_process_group",
     "destroyed_test",
@@ -101,6 +102,24 @@ def destroyed_test(group: dist.ProcessGroup | None = None) -> Callable[[], bool]
 
         test = _destroyed_tests[group] = destroyed
     return test
+
+
+def check_alive(group: dist.ProcessGroup | None = None) -> None:
+    """Raise a clear error if ``group`` has been destroyed by ``destroy_process_group``.
+
+    torch refuses a destroyed group in the collective, in words that vary by version (a
+    ``ValueError`` "not initialized in the world group map" on torch 2.13, a ``TypeError``
+    "Invariant encountered: value was None" on torch 2.3).
+
+    Raises:
+        RuntimeError: naming the cause and the way out.
+    """
+    if destroyed_test(group)():
+        raise RuntimeError(
+            "SyncBatchNorm's process group has been destroyed (destroy_process_group); give "
+            "the layer a live group (layer.process_group = torch.distributed.new_group(...)), "
+            "or None for the default group"
+        )
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
