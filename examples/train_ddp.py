@@ -46,8 +46,8 @@ __all__ = ["accuracy", "main", "make_datasets", "make_model", "parse_args", "tra
 
 #: torch < 2.8 can deadlock in ``destroy_process_group`` with gloo: the group's destructor
 #: waits for gloo's worker threads while holding the GIL, which one of them needs to release
-#: a finished collective's tensors (pytorch/pytorch#154976). This script leaves through
-#: ``os._exit``, which needs no teardown, so it skips that call there.
+#: a finished collective's tensors (pytorch/pytorch#154976). Run as a script, it leaves
+#: through ``os._exit``, which needs no teardown, so :func:`main` skips that call there.
 TEARDOWN_CAN_HANG = torch.torch_version.TorchVersion(torch.__version__) < "2.8"
 
 NUM_CLASSES = 4
