@@ -192,7 +192,8 @@ _proxy_mode: Callable[[], Any] = (
 #: 2.9: before it the partitioner also replays a checkpointed region's buffer mutations in
 #: the backward graph (``lerp`` and ``copy_`` into the running statistics, from the saved
 #: update), so with the op's outputs saved the running statistics moved twice per step
-#: (torch 2.4-2.8, measured); a recomputed op returns an update of zeros instead
+#: (measured on torch 2.5-2.8, as README and CHANGELOG say; 2.4 is gated with them); a
+#: recomputed op returns an update of zeros instead
 _MUST_SAVE = (
     getattr(getattr(torch.utils.checkpoint, "CheckpointPolicy", None), "MUST_SAVE", None)
     if torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
