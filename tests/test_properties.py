@@ -29,6 +29,27 @@ _SETTINGS = settings(
 )
 
 
+#: the largest ``|mean| / std`` of any channel of a step's global batch that an example may
+#: have. syncbn merges ranks' moments as float64 sums, whose variance has a relative error of
+#: about ``1e-16 * (mean / std)**2`` (syncbn._stats, README "Dtypes"), and a tiny batch
+#: amplifies it in the input gradient: random draws with ratios of 300-1000 (offset -50,
+#: scale 0.1, 2-4 values per channel) missed the float64 gold tolerance (1e-9 relative) by up
+#: to 40x, while 4000 random draws under this bound passed. Large means have their own test
+#: (test_collectives.py: float32 data with |mean| / std = 1e4, on 2 and 3 ranks)
+_MAX_MEAN_OVER_STD = 100.0
+
+
+def _well_conditioned(case: Case) -> bool:
+    """Whether every channel of every step's global batch has ``|mean| / std`` under
+    :data:`_MAX_MEAN_OVER_STD` (a constant channel has none)."""
+    for x in case.data()[0]:
+        values = x.movedim(1, 0).reshape(x.shape[1], -1)
+        spread = values.std(dim=1, unbiased=False)
+        if not bool((values.mean(dim=1).abs() < _MAX_MEAN_OVER_STD * spread).all()):
+            return False
+    return True
+
+
 @st.composite
 def cases(draw: st.DrawFn, world_size: int) -> Case:
     ndim = draw(st.integers(2, 5))
@@ -36,7 +57,7 @@ def cases(draw: st.DrawFn, world_size: int) -> Case:
     spatial = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim - 2, max_size=ndim - 2)))
     sizes = tuple(draw(st.lists(st.integers(0, 3), min_size=world_size, max_size=world_size)))
     assume(sum(sizes) * math.prod(spatial) >= 2)  # training needs more than 1 value per channel
-    return Case(
+    case = Case(
         sizes=sizes,
         tail=(channels, *spatial),
         affine=draw(st.booleans()),
@@ -49,6 +70,8 @@ def cases(draw: st.DrawFn, world_size: int) -> Case:
         offset=draw(st.sampled_from([0.0, 3.0, -50.0])),
         scale=draw(st.sampled_from([1.0, 0.1, 7.0])),
     )
+    assume(_well_conditioned(case))
+    return case
 
 
 def _check(pool: WorkerPool, case: Case) -> None:
