@@ -443,12 +443,12 @@ def counted_update(
 
 
 @functools.lru_cache(maxsize=256)
-def _divisor_terms(device: torch.device) -> torch.Tensor:
-    """``(4, 3, 1)`` float64: offsets, signs, lower and upper bounds of
-    :func:`count_divisors`, built once per device."""
+def _divisor_terms(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Four ``(3, 1)`` float64 columns: offsets, signs, lower and upper bounds of
+    :func:`count_divisors`, built (and unbound) once per device."""
     inf = float("inf")
     terms = [[0.0, -1.0, 0.0], [1.0, 1.0, -1.0], [1.0, 1.0, -inf], [inf, inf, -1.0]]
-    return _protocol.on_device(terms, torch.float64, device).unsqueeze(-1)
+    return _protocol.on_device(terms, torch.float64, device).unsqueeze(-1).unbind()
 
 
 #: ``(n, n - 1, -n)`` of a global count known on the host (see :func:`count_divisors`)
@@ -467,7 +467,7 @@ def count_divisors(count: int | torch.Tensor, device: torch.device) -> torch.Ten
     if not isinstance(count, torch.Tensor):
         n = float(max(count, 1))
         return n, float(max(count - 1, 1)), -n
-    offsets, signs, lower, upper = _divisor_terms(device).unbind()
+    offsets, signs, lower, upper = _divisor_terms(device)
     return torch.addcmul(offsets, signs, count).clamp_(lower, upper)
 
 
