@@ -10,6 +10,17 @@ gradient all-reduce, identical for all four, does not hide the difference):
 - ``batchnorm compiled`` / ``syncbn compiled``: the same under ``torch.compile(fullgraph=True)``
   with the inductor backend.
 
+On more than one rank it also times a control, ``batchnorm compiled + all_reduces``: compiled
+BatchNorm with the same 30 all_reduces in place (after each BatchNorm layer, an opaque op
+all-reduces a buffer of the size syncbn's forward sends there, and its backward one of the
+backward's size), i.e. what any synchronized BatchNorm that sends those payloads at those
+points costs at least, and the two syncbn steps again with the collectives taken
+out (``no transport``: syncbn's all_reduce returns its buffer times the world size, what
+identical ranks would sum, so that every check passes): the same compiled code, each rank
+computing alone. The difference between a step and its no-transport twin is what the 30
+all_reduces cost *in place*, waits for the slower rank included, which the report sets
+against the same all_reduces back to back (the floor below).
+
 For the compiled variants it reports the compile time (the first step, minus a compiled
 step) and the number of graphs compiled over a run whose local batch sizes change
 (8, 7, 8, 5, 6 on rank 0; 8, 8, 6, 8, 7 on rank 1), i.e. the recompiles that dynamic
@@ -148,6 +159,114 @@ def _no_transport(buffer: torch.Tensor, group: Any = None) -> torch.Tensor:
     return buffer
 
 
+def _identical_ranks(buffer: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """What an all_reduce over identical ranks would return, without the transport."""
+    import torch.distributed as dist
+
+    return buffer.mul_(dist.get_world_size(group))
+
+
+def _without_transport(step: Any) -> Any:
+    """``step`` with syncbn's all_reduce replaced by :func:`_identical_ranks` while it runs
+    (the compiled custom ops look the function up at run time: no recompilation)."""
+
+    def run(x: torch.Tensor) -> None:
+        reduce = syncbn.distributed.all_reduce_sum_
+        syncbn.distributed.all_reduce_sum_ = _identical_ranks
+        try:
+            step(x)
+        finally:
+            syncbn.distributed.all_reduce_sum_ = reduce
+
+    return run
+
+
+_point_library: torch.library.Library | None = None
+
+
+def _define_point_ops() -> None:
+    """``syncbn_bench::forward_point(x, forward_size, backward_size, index)``: all-reduce a
+    float64 buffer of ``forward_size`` and return a 0-dim zero; its backward all-reduces one
+    of ``backward_size`` (``syncbn_bench::backward_point``). ``index`` tells the layers
+    apart: two backward points with equal arguments (the gradients of a residual sum's two
+    branches) would be merged into one by the compiler's common-subexpression elimination.
+    Defined like syncbn's ops (``torch.library.Library``, one implementation for every
+    device), once per process."""
+    global _point_library
+    if _point_library is not None:
+        return
+    import torch.distributed as dist
+
+    library = torch.library.Library("syncbn_bench", "DEF")
+    library.define(
+        "forward_point(Tensor x, int forward_size, int backward_size, int index) -> Tensor"
+    )
+    library.define("backward_point(Tensor grad, int size, int index) -> Tensor")
+
+    def all_reduce_zeros(like: torch.Tensor, size: int) -> torch.Tensor:
+        dist.all_reduce(torch.zeros(size, dtype=torch.float64, device=like.device))
+        return like.new_zeros(())
+
+    def forward_point(
+        x: torch.Tensor, forward_size: int, backward_size: int, index: int
+    ) -> torch.Tensor:
+        return all_reduce_zeros(x, forward_size)
+
+    def backward_point(grad: torch.Tensor, size: int, index: int) -> torch.Tensor:
+        return all_reduce_zeros(grad, size)
+
+    def fake(x: torch.Tensor, *sizes: int) -> torch.Tensor:
+        return x.new_empty(())
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, _, ctx.backward_size, ctx.index = inputs
+        ctx.shape = x.shape
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        zero = torch.ops.syncbn_bench.backward_point(grad, ctx.backward_size, ctx.index)
+        return zero.expand(ctx.shape), None, None, None
+
+    library.impl("forward_point", forward_point, "CompositeExplicitAutograd")
+    library.impl("backward_point", backward_point, "CompositeExplicitAutograd")
+    for name in ("forward_point", "backward_point"):
+        torch.library.register_fake(f"syncbn_bench::{name}", fake, lib=library)
+    torch.library.register_autograd(
+        "syncbn_bench::forward_point", backward, setup_context=setup_context, lib=library
+    )
+    _point_library = library
+
+
+class _CollectivePoint(nn.Module):
+    """Adds to its input the 0-dim zero of ``syncbn_bench::forward_point`` with the sizes of
+    syncbn's payloads for ``num_features`` channels (inductor fuses the addition)."""
+
+    def __init__(self, num_features: int, index: int) -> None:
+        super().__init__()
+        self.arguments = (
+            _protocol.forward_size(num_features),
+            _protocol.backward_size(num_features),
+            index,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ops.syncbn_bench.forward_point(x, *self.arguments)
+
+
+def _with_collective_points(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with a :class:`_CollectivePoint` after every BatchNorm layer."""
+    _define_point_ops()
+    model = copy.deepcopy(model)
+    layers = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.BatchNorm2d)
+    ]
+    for index, (parent, name, child) in enumerate(layers):
+        setattr(parent, name, nn.Sequential(child, _CollectivePoint(child.num_features, index)))
+    return model
+
+
 def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     steps, device_type, cache_dir = settings.steps, settings.device_type, settings.cache_dir
     # a fresh cache: no compiled code and no remembered dynamic dimensions from earlier runs
@@ -169,8 +288,15 @@ def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
         return torch.randn(size, 3, 32, 32, generator=generator).to(device)
 
     variants: dict[str, _Variant] = {}
-    for name, source in (("batchnorm", plain), ("syncbn", synced)):
-        for mode in ("eager", "compiled"):
+    sources: list[tuple[str, nn.Module, tuple[str, ...]]] = [
+        ("batchnorm", plain, ("eager", "compiled")),
+        ("syncbn", synced, ("eager", "compiled")),
+    ]
+    if world_size > 1 and not settings.no_transport:
+        control = _with_collective_points(plain)
+        sources.append(("batchnorm", control, ("compiled + all_reduces",)))
+    for name, source, modes in sources:
+        for mode in modes:
             model = copy.deepcopy(source)
             counter = _CountingInductor()
             run = (
@@ -185,7 +311,14 @@ def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
             for _ in range(3):
                 step(batch())
             variants[f"{name} {mode}"] = _Variant(step, counter, first)
-    # the four variants take turns, ROUNDS times: a slow spell of the machine then hits
+    if world_size > 1 and not settings.no_transport:
+        for mode in ("eager", "compiled"):
+            variant = variants[f"syncbn {mode}"]
+            step = _without_transport(variant.step)
+            for _ in range(3):
+                step(batch())
+            variants[f"syncbn {mode}, no transport"] = _Variant(step, variant.counter, 0.0)
+    # the variants take turns, ROUNDS times: a slow spell of the machine then hits
     # them all, and the best round of each is kept
     for _ in range(ROUNDS):
         for variant in variants.values():
@@ -203,7 +336,7 @@ def _rank(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
         times = min(variant.rounds, key=statistics.median)
         median = statistics.median(times)
         entry = {"median_ms": median * 1e3, "p10_ms": _quantile(times, 0.1) * 1e3}
-        if key.endswith("compiled"):
+        if key.endswith("compiled"):  # (not its no-transport twin: the same code)
             entry["compile_s"] = variant.first_s - median
             graphs_before = variant.counter.graphs
             for size in SIZES[rank % 2]:
@@ -268,6 +401,34 @@ def _targets(worst: dict[str, dict[str, Any]], args: argparse.Namespace) -> list
     return lines
 
 
+def _in_place(worst: dict[str, dict[str, Any]], floor: float) -> list[str]:
+    """What the collectives cost in place: in the control (compiled BatchNorm with the same
+    all_reduces), and in each syncbn step against its no-transport twin."""
+    lines = []
+    control = worst.get("batchnorm compiled + all_reduces")
+    if control is not None:
+        cost = control["median_ms"] - worst["batchnorm compiled"]["median_ms"]
+        ratio = worst["syncbn compiled"]["median_ms"] / control["median_ms"]
+        lines.append(
+            f"Compiled BatchNorm with the same 30 all_reduces in place takes "
+            f"{control['median_ms']:.1f} ms: in place they add {cost:.1f} ms "
+            f"({cost / floor:.2f}x the floor), with no synchronized BatchNorm's maths; "
+            f"compiled syncbn takes {ratio:.2f}x this control."
+        )
+    for mode in ("compiled", "eager"):
+        twin = worst.get(f"syncbn {mode}, no transport")
+        if twin is None:
+            continue
+        cost = worst[f"syncbn {mode}"]["median_ms"] - twin["median_ms"]
+        lines.append(
+            f"In place, the 30 all_reduces add {cost:.1f} ms to the {mode} syncbn step "
+            f"({cost / floor:.2f}x the floor), its no-transport twin {twin['median_ms']:.1f} ms "
+            f"being {twin['median_ms'] - worst[f'batchnorm {mode}']['median_ms']:.1f} ms over "
+            f"{mode} BatchNorm."
+        )
+    return ["", " ".join(lines)] if lines else []
+
+
 def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.Namespace) -> str:
     options = []
     if args.device == "cuda":
@@ -297,7 +458,7 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
         f"{args.world_size} rank(s) ({'nccl' if args.device == 'cuda' else 'gloo'}){sync}, "
         f"one thread each; SmallResNet (15 BatchNorm2d), batch {args.batch} per rank, 32x32, "
         f"float32, SGD; no DDP. Median (p10) over {args.steps} steps after 3 warm-up steps, "
-        f"the best of {ROUNDS} rounds in which the four variants take turns, worst rank. "
+        f"the best of {ROUNDS} rounds in which the variants take turns, worst rank. "
         "Each rank compiles into an empty inductor cache. Load average at the end: "
         f"{info.get('load_average', '?')}.",
         "",
@@ -309,21 +470,25 @@ def _render(results: list[dict[str, Any]], info: dict[str, Any], args: argparse.
     for key, entry in worst.items():
         if key == "collectives floor":
             continue
-        mode = key.split()[1]
+        mode = "compiled" if "compiled" in key else "eager"
         ratio = entry["median_ms"] / worst[f"batchnorm {mode}"]["median_ms"]
-        compile_s = f"{max(r[key].get('compile_s', 0.0) for r in results):.1f}"
+        compile_s = "-"
+        if "compile_s" in entry:
+            compile_s = f"{max(r[key]['compile_s'] for r in results):.1f}"
         graphs = "-"
         if "graphs_first_shape" in entry:
             varying = max(r[key]["graphs_varying_batch"] for r in results)
             graphs = f"{entry['graphs_first_shape']} / {varying}"
         lines.append(
             f"| {key} | {entry['median_ms']:.1f} ({entry['p10_ms']:.1f}) | {ratio:.2f}x | "
-            f"{compile_s if mode == 'compiled' else '-'} | {graphs} |"
+            f"{compile_s} | {graphs} |"
         )
+    floor = worst["collectives floor"]["median_ms"]
     lines.append(
         f"\nCollectives floor (the all_reduces of syncbn's 30 payloads per step, back to back, "
-        f"worst rank): {worst['collectives floor']['median_ms']:.2f} ms."
+        f"worst rank): {floor:.2f} ms."
     )
+    lines += _in_place(worst, floor)
     lines += _targets(worst, args)
     return "\n".join(lines) + "\n"
 
