@@ -140,6 +140,57 @@ def test_ddp_training_matches_global_batch(pool: WorkerPool, sizes_index: int) -
     _assert_bitwise_equal_across_ranks(states)
 
 
+def _fully_shard() -> Any:
+    """FSDP2's ``fully_shard``: public from torch 2.6, ``torch.distributed._composable.fsdp``
+    before it."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def _train_fsdp2(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The DDP scenario's steps with the model sharded by FSDP2 (``fully_shard`` on each
+    Linear layer and on the whole model): its parameters are DTensors between steps, and
+    unsharded plain tensors in forward and backward, where SyncBatchNorm runs."""
+    from torch.distributed.tensor import DTensor
+
+    fully_shard = _fully_shard()
+    model = syncbn.convert_sync_batchnorm(_model())
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start, total = sum(sizes[:rank]), sum(sizes)
+    for x, y in _data(sizes, STEPS, 1):
+        optimizer.zero_grad()
+        x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+        # FSDP averages gradients over ranks, as DDP does: the same scaling
+        _scaled_loss(model, x, y, world_size / total).backward()
+        optimizer.step()
+    return {
+        key: value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+        for key, value in model.state_dict().items()
+    }
+
+
+#: FSDP2 was checked on the CPU with gloo on torch 2.8.0 and 2.13.0 (older torch: unchecked)
+_FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
+
+
+@pytest.mark.skipif(
+    not _FSDP2_ON_CPU, reason="FSDP2 (fully_shard) on the CPU is checked from torch 2.8 on"
+)
+@pytest.mark.parametrize("sizes_index", [0, 1], ids=["even", "uneven"])
+def test_fsdp2_training_matches_global_batch(pool: WorkerPool, sizes_index: int) -> None:
+    sizes = SIZES[pool.world_size][sizes_index]
+    states = pool.run(_train_fsdp2, sizes)
+    _max_error(states, _train_reference(sizes, {}))
+    _assert_bitwise_equal_across_ranks(states)
+
+
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool) -> None:
     options = {"broadcast_buffers": broadcast_buffers}
