@@ -154,14 +154,18 @@ def _train_fsdp2(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str
     """The DDP scenario's steps with the model sharded by FSDP2 (``fully_shard`` on each
     Linear layer and on the whole model): its parameters are DTensors between steps, and
     unsharded plain tensors in forward and backward, where SyncBatchNorm runs."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     fully_shard = _fully_shard()
+    # on the CPU: FSDP2's default mesh is on the accelerator where one is visible (the
+    # suite also runs on a GPU machine), and it would move the model there
+    mesh = init_device_mesh("cpu", (world_size,))
     model = syncbn.convert_sync_batchnorm(_model())
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start, total = sum(sizes[:rank]), sum(sizes)
     for x, y in _data(sizes, STEPS, 1):
