@@ -13,8 +13,9 @@ gradient all-reduce, identical for all four, does not hide the difference):
 On more than one rank it also times a control, ``batchnorm compiled + all_reduces``: compiled
 BatchNorm with the same 30 all_reduces in place (after each BatchNorm layer, an opaque op
 all-reduces a buffer of the size syncbn's forward sends there, and its backward one of the
-backward's size), i.e. what any synchronized BatchNorm that sends those payloads at those
-points costs at least, and the two syncbn steps again with the collectives taken
+backward's size), i.e. about the least that any synchronized BatchNorm sending those
+payloads at those points can cost (within the run's noise), and the two syncbn steps again
+with the collectives taken
 out (``no transport``: syncbn's all_reduce returns its buffer times the world size, what
 identical ranks would sum, so that every check passes): the same compiled code, each rank
 computing alone. The difference between a step and its no-transport twin is what the 30
