@@ -150,10 +150,14 @@ def _fully_shard() -> Any:
     return fully_shard
 
 
-def _train_fsdp2(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+def _train_fsdp2(
+    rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool = False
+) -> dict[str, Any]:
     """The DDP scenario's steps with the model sharded by FSDP2 (``fully_shard`` on each
     Linear layer and on the whole model): its parameters are DTensors between steps, and
-    unsharded plain tensors in forward and backward, where SyncBatchNorm runs."""
+    unsharded plain tensors in forward and backward, where SyncBatchNorm runs. ``compiled``:
+    the sharded model under ``torch.compile`` (``aot_eager``; FSDP2's hooks break the graph
+    where they must)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -166,13 +170,15 @@ def _train_fsdp2(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str
         if isinstance(module, nn.Linear):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    torch._dynamo.reset()
+    run = cast(nn.Module, torch.compile(model, backend="aot_eager")) if compiled else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start, total = sum(sizes[:rank]), sum(sizes)
     for x, y in _data(sizes, STEPS, 1):
         optimizer.zero_grad()
         x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
         # FSDP averages gradients over ranks, as DDP does: the same scaling
-        _scaled_loss(model, x, y, world_size / total).backward()
+        _scaled_loss(run, x, y, world_size / total).backward()
         optimizer.step()
     return {
         key: value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
@@ -187,10 +193,13 @@ _FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 @pytest.mark.skipif(
     not _FSDP2_ON_CPU, reason="FSDP2 (fully_shard) on the CPU is checked from torch 2.8 on"
 )
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("sizes_index", [0, 1], ids=["even", "uneven"])
-def test_fsdp2_training_matches_global_batch(pool: WorkerPool, sizes_index: int) -> None:
+def test_fsdp2_training_matches_global_batch(
+    pool: WorkerPool, sizes_index: int, compiled: bool
+) -> None:
     sizes = SIZES[pool.world_size][sizes_index]
-    states = pool.run(_train_fsdp2, sizes)
+    states = pool.run(_train_fsdp2, sizes, compiled)
     _max_error(states, _train_reference(sizes, {}))
     _assert_bitwise_equal_across_ranks(states)
 
