@@ -140,16 +140,6 @@ def test_ddp_training_matches_global_batch(pool: WorkerPool, sizes_index: int) -
     _assert_bitwise_equal_across_ranks(states)
 
 
-def _fully_shard() -> Any:
-    """FSDP2's ``fully_shard``: public from torch 2.6, ``torch.distributed._composable.fsdp``
-    before it."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
 def _train_fsdp2(
     rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool = False
 ) -> dict[str, Any]:
@@ -159,9 +149,9 @@ def _train_fsdp2(
     the sharded model under ``torch.compile`` (``aot_eager``; FSDP2's hooks break the graph
     where they must)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard  # public from torch 2.6; run from 2.8
     from torch.distributed.tensor import DTensor
 
-    fully_shard = _fully_shard()
     # on the CPU: FSDP2's default mesh is on the accelerator where one is visible (the
     # suite also runs on a GPU machine), and it would move the model there
     mesh = init_device_mesh("cpu", (world_size,))
@@ -170,8 +160,10 @@ def _train_fsdp2(
         if isinstance(module, nn.Linear):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    torch._dynamo.reset()
-    run = cast(nn.Module, torch.compile(model, backend="aot_eager")) if compiled else model
+    run = model
+    if compiled:
+        torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
+        run = cast(nn.Module, torch.compile(model, backend="aot_eager"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start, total = sum(sizes[:rank]), sum(sizes)
     for x, y in _data(sizes, STEPS, 1):
