@@ -433,13 +433,8 @@ def counted_update(
     factor: float, device: torch.device, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
     """``[1, factor]`` in ``dtype`` on ``device``, built once per factor (a momentum repeats
-    from call to call): the batch count's increment and the running statistics' factor.
-
-    Filled on the device (no copy from the host, which a GPU's sync check would flag)."""
-    _protocol.refuse_during_capture(device)
-    update = torch.ones(2, dtype=dtype, device=device)
-    update[1:].fill_(factor)
-    return update
+    from call to call): the batch count's increment and the running statistics' factor."""
+    return _protocol.on_device([1.0, factor], dtype, device)
 
 
 @functools.lru_cache(maxsize=256)

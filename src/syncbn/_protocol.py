@@ -245,13 +245,57 @@ def refuse_during_capture(device: torch.device) -> None:
 
 
 def on_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small constant tensor on ``device``, copied from pinned memory without waiting
-    (for syncbn's caches of constants: never during a CUDA graph capture)."""
+    """A small constant tensor on ``device``, for syncbn's caches of constants.
+
+    Never during a CUDA graph capture (:func:`refuse_during_capture`). On CUDA it is built
+    by :func:`_outside_graph_pools`: ready when this returns, and never in the memory pool
+    of a CUDA graph being warmed up (``torch.compile(mode="reduce-overhead")``).
+    """
     refuse_during_capture(device)
     tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return tensor
+    if device.type == "cuda":
+        return _outside_graph_pools(tensor, device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _outside_graph_pools(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to the CUDA ``device`` by a short-lived thread, which waits for the
+    copy.
+
+    CUDA graph trees (``torch.compile(mode="reduce-overhead")``) run a graph's first calls
+    eagerly with the calling thread's allocations routed to the graphs' private memory
+    pool, and then raise on any block of that pool that is still alive and not an output
+    ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a replay
+    could overwrite it. A cached constant outlives the call, so it is allocated from
+    another thread (whose allocations are never routed: torch 2.8 routes the calling
+    thread's, torch 2.3 the calling stream's, and the thread copies on a stream of its
+    own). Not yet run on a GPU (the failure above is from the first GPU run). The thread
+    waits for its copy on the host, once per constant, so that every stream may read the
+    constant at once; the copy does not queue behind the device's other work.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    copied: list[torch.Tensor] = []
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            with torch.cuda.device(index):
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    copied.append(host.pin_memory().to(f"cuda:{index}", non_blocking=True))
+                done = stream.record_event()
+            done.synchronize()
+        except BaseException as error:  # raised again in the calling thread
+            failed.append(error)
+
+    thread = threading.Thread(target=copy, name="syncbn-constant")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return copied[0]
 
 
 @functools.lru_cache(maxsize=256)

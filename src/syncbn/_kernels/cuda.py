@@ -36,7 +36,7 @@ from syncbn._kernels.generic import (
     local_moments,
     zero_padded,
 )
-from syncbn._protocol import refuse_during_capture
+from syncbn._protocol import on_device
 
 __all__ = ["backward_reduce", "input_grad", "local_moments", "normalize", "zero_padded"]
 
@@ -48,8 +48,7 @@ _COUNT_PARTS = 16
 @functools.lru_cache(maxsize=64)
 def _part_offsets(device: torch.device) -> torch.Tensor:
     """``[0, 1, ..., _COUNT_PARTS - 1]`` in float64 on ``device``."""
-    refuse_during_capture(device)
-    return torch.arange(_COUNT_PARTS, dtype=torch.float64, device=device)
+    return on_device(list(range(_COUNT_PARTS)), torch.float64, device)
 
 
 def _kernel_count(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:

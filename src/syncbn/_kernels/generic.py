@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from syncbn._protocol import refuse_during_capture
+from syncbn._protocol import on_device
 from syncbn._stats import stat_dtype, unshifted_sums
 
 __all__ = [
@@ -63,9 +63,8 @@ def constants(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean 0 and variance (or weight) 1, which turn batch-norm kernels into plain sums, and
     an empty tensor for the saved statistics of an eval-mode backward (CUDA requires one)."""
-    refuse_during_capture(device)
-    zeros = torch.zeros(num_channels, dtype=dtype, device=device)
-    return zeros, zeros + 1, zeros.new_empty(0)
+    zeros, ones = on_device([[0.0] * num_channels, [1.0] * num_channels], dtype, device)
+    return zeros, ones, zeros.new_empty(0)
 
 
 #: the dimensions of a channels-last tensor, from the smallest stride to the largest
