@@ -1,0 +1,162 @@
+"""GPU diagnostics for what the first GPU run left unexplained (issue 19), in one command.
+
+1. ``bf16``: the CUDA gold tests with bfloat16 input and float32 parameters failed on the
+   bias gradient (step 1, channel 0: 0.1855 against 0.1213, identical on the generic and
+   fused kernels, immediate and deferred checks; float16 passed). For each rank's slice of
+   that case it prints the error of the per-channel ``sum(dy)`` computed four ways against
+   the exact sum: ``native_batch_norm_backward`` in eval mode (what syncbn's
+   ``backward_reduce`` calls) on the CPU and on CUDA, a plain ``sum`` on each, and then the
+   bias gradient of a syncbn layer (one rank, sync path forced) per slice and check mode.
+2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
+   ms of host time per forward+backward call of one layer at every shape (the device
+   waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
+   30 most expensive functions by own time, per shape, dtype and check mode.
+
+Usage::
+
+    python benchmarks/gpu_probe.py OUT          # writes OUT/probe.txt and OUT/prof-*.txt
+    python benchmarks/gpu_probe.py OUT --device cpu   # the same code on the CPU (a dry run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import syncbn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _gold  # noqa: E402  (the gold case's data, from the tests)
+
+__all__ = ["main"]
+
+#: the CUDA gold case that failed (tests/test_cuda.py GOLD["bfloat16-float32-params"])
+BF16_CASE = _gold.Case(sizes=(3, 1), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6))
+
+
+def _error(actual: torch.Tensor, exact: torch.Tensor) -> str:
+    return f"{(actual.double().cpu() - exact).abs().max().item():.2e}"
+
+
+def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
+    """Errors of the local ``sum(dy)`` per rank slice of the failing bf16 gold case."""
+    case = BF16_CASE
+    xs, dys, weight, bias = case.data()
+    slices = [(0, 3), (3, 4), (0, 4)]
+    for step in range(case.steps):
+        for start, stop in slices:
+            x, dy = case.prepare(xs[step][start:stop]), case.prepare(dys[step][start:stop])
+            exact = dy.double().sum((0, 2, 3))
+            mean, var = x.float().mean((0, 2, 3)), x.float().var((0, 2, 3))
+            cells = [f"step {step} samples {start}:{stop}"]
+            for where in ("cpu", device.type):
+                d = torch.device(where)
+                ones, empty = torch.ones(4, device=d), torch.empty(0, device=d)
+                sums = torch.ops.aten.native_batch_norm_backward(
+                    dy.to(d), x.to(d), ones, mean.to(d), var.to(d), empty, empty,
+                    False, 1e-5, [False, True, True],
+                )  # fmt: skip
+                cells.append(f"{where} eval-backward {_error(sums[2], exact)}")
+                cells.append(f"{where} sum {_error(dy.to(d).float().sum((0, 2, 3)), exact)}")
+            say(" | ".join(cells))
+    for start, stop in slices:
+        for mode in ("immediate", "deferred"):
+            layer = syncbn.SyncBatchNorm(4, dtype=torch.float32).to(device)
+            layer._sync_alone = True
+            layer.check_mode = mode
+            with torch.no_grad():
+                layer.weight.copy_(weight)
+                layer.bias.copy_(bias)
+            errors = []
+            for step in range(case.steps):
+                x = case.prepare(xs[step][start:stop]).to(device).requires_grad_()
+                dy = case.prepare(dys[step][start:stop])
+                layer(x).backward(dy.to(device))
+                assert layer.bias.grad is not None
+                errors.append(_error(layer.bias.grad, dy.double().sum((0, 2, 3))))
+                layer.weight.grad = layer.bias.grad = None
+            say(f"layer samples {start}:{stop} {mode}: bias gradient error per step {errors}")
+
+
+def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -> None:
+    """Host time of eager forward+backward calls, and cProfile's view of it."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for dtype, channels_last, mode in (
+        (torch.float32, False, "deferred"),
+        (torch.float32, False, "immediate"),
+        (torch.bfloat16, True, "deferred"),
+    ):
+        layer = syncbn.SyncBatchNorm(256).to(device)
+        layer._sync_alone = True
+        layer.check_mode = mode
+        x = torch.randn(32, 256, 14, 14, device=device, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        dy = torch.randn_like(x)
+
+        def call(
+            layer: syncbn.SyncBatchNorm = layer, x: torch.Tensor = x, dy: torch.Tensor = dy
+        ) -> None:
+            torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
+
+        for _ in range(20):
+            call()
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            call()
+        host = (time.perf_counter() - start) / 50
+        synchronize()
+        total = (time.perf_counter() - start) / 50
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(50):
+            call()
+        profiler.disable()
+        synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        name = f"{str(dtype).removeprefix('torch.')}-{'cl' if channels_last else 'nchw'}-{mode}"
+        (out / f"prof-{name}.txt").write_text(text.getvalue())
+        say(f"32x256x14x14 {name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
+        say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for probe.txt and prof-*.txt")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+        (args.out / "probe.txt").write_text("\n".join(lines) + "\n")
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/r", rank=0, world_size=1)
+        try:
+            probe_bf16(device, say)
+            profile_calls(device, args.out, say)
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
