@@ -10,11 +10,13 @@
 2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
    ms of host time per forward+backward call of one layer at every shape (the device
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
-   30 most expensive functions by own time, per shape, dtype and check mode.
+   30 most expensive functions by own time (``prof-*.txt``), and ``torch.profiler``'s table
+   of 20 calls, host time per aten op and CUDA runtime call with counts (``ops-*.txt``),
+   per dtype, layout and check mode.
 
 Usage::
 
-    python benchmarks/gpu_probe.py OUT          # writes OUT/probe.txt and OUT/prof-*.txt
+    python benchmarks/gpu_probe.py OUT          # OUT/probe.txt, OUT/prof-*.txt, OUT/ops-*.txt
     python benchmarks/gpu_probe.py OUT --device cpu   # the same code on the CPU (a dry run)
 """
 
@@ -129,6 +131,17 @@ def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         name = f"{str(dtype).removeprefix('torch.')}-{'cl' if channels_last else 'nchw'}-{mode}"
         (out / f"prof-{name}.txt").write_text(text.getvalue())
+        # torch's view of the same calls: host time per aten op and per CUDA runtime call
+        # (cudaLaunchKernel, cudaMemcpyAsync, cudaEventRecord ...), and their counts
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as ops:
+            for _ in range(20):
+                call()
+            synchronize()
+        table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        (out / f"ops-{name}.txt").write_text(table)
         say(f"32x256x14x14 {name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
         say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
 
