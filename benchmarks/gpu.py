@@ -8,10 +8,13 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
   32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
   time per call (CUDA events, median), host time per call (the launch, without waiting),
   and host synchronizations per call (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
-  syncbn runs twice: on its generic kernels, and on ``syncbn._kernels.cuda`` (torch's fused
-  SyncBatchNorm element kernels, float32 rows only), to decide which the CUDA path keeps.
+  syncbn runs three times: on its generic kernels, on ``syncbn._kernels.cuda`` (torch's fused
+  SyncBatchNorm element kernels, float32 rows only), and with ``syncbn._kernels.finalize``
+  (a deferred forward's per-channel maths in one Triton kernel), to decide what the CUDA
+  path keeps.
 - ``step``: a torchvision resnet50 training step (batch 32, bfloat16 autocast,
-  channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step.
+  channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step;
+  syncbn with and without ``syncbn._kernels.finalize``.
 - ``ranks``: the per-layer comparison with 2 ranks sharing the GPU through gloo (CUDA
   tensors; nccl refuses two ranks on one GPU).
 - ``compile``: the same resnet50 step under ``torch.compile(fullgraph=True)``, modes
@@ -89,8 +92,8 @@ class _TorchSyncPath(nn.SyncBatchNorm):
 
 
 #: the layers timed per shape: cuDNN BatchNorm, torch.nn.SyncBatchNorm, syncbn on its generic
-#: kernels and on its fused CUDA kernels
-LAYER_KINDS = ("cudnn", "torch-sync", "syncbn", "syncbn-fused")
+#: kernels, on its fused CUDA kernels, and with its per-channel maths in one Triton kernel
+LAYER_KINDS = ("cudnn", "torch-sync", "syncbn", "syncbn-fused", "syncbn-finalize")
 
 
 def _layer(kind: str, channels: int, group: Any) -> nn.Module:
@@ -187,12 +190,16 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
                 torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
 
             # "syncbn-fused": the same layer on syncbn._kernels.cuda (float32 rows; lower
-            # precision keeps the generic passes), a candidate until measured faster
+            # precision keeps the generic passes); "syncbn-finalize": the same layer with
+            # syncbn._kernels.finalize (deferred forwards: one Triton kernel for the
+            # per-channel maths); candidates until measured faster
             _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
+            _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
             try:
                 row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
             finally:
                 _kernels.use_device_kernels("cuda", enabled=False)
+                _kernels.use_fused_finalize("cuda", enabled=False)
         rows.append(row)
     return rows
 
@@ -233,9 +240,11 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     group = dist.new_group([rank], backend="nccl")
     base, x, target = _resnet50_batch()
     results: dict[str, Any] = {}
-    for kind in ("cudnn", "torch-sync", "syncbn"):
+    for kind in ("cudnn", "torch-sync", "syncbn", "syncbn-finalize"):
         model = _on_gpu(copy.deepcopy(base), kind, group)
         step = _training_step(model, model, x, target)
+        # "syncbn-finalize": deferred forwards with syncbn._kernels.finalize (a candidate)
+        _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
         eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
         graphed: dict[str, Any]
         try:
@@ -252,6 +261,7 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
         except Exception as error:  # noqa: BLE001 - recorded: torch's SyncBatchNorm cannot be captured
             graphed = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         results[kind] = {"eager": eager, "graph": graphed}
+    _kernels.use_fused_finalize("cuda", enabled=False)
     return results
 
 
@@ -374,21 +384,31 @@ def _render(results: dict[str, Any]) -> str:
             "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
             "",
             "| shape | dtype | layout | cuDNN BN | torch SyncBN | syncbn | syncbn fused | "
-            "syncbn / BN | syncbn / torch | fused / generic |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "syncbn finalize | syncbn / BN | syncbn / torch | fused / generic | "
+            "finalize / generic |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in results["layers"]:
+            # (results of runs before a kind existed show "-" for it)
             cells = [
                 f"{row[k]['device_ms']:.3f} / {row[k]['host_ms']:.3f} / {row[k]['syncs']}"
+                if k in row
+                else "-"
                 for k in LAYER_KINDS
             ]
             ours = row["syncbn"]["device_ms"]
+            ratios = [
+                f"{ours / row['cudnn']['device_ms']:.2f}x",
+                f"{ours / row['torch-sync']['device_ms']:.2f}x",
+                *(
+                    f"{row[k]['device_ms'] / ours:.2f}x" if k in row else "-"
+                    for k in ("syncbn-fused", "syncbn-finalize")
+                ),
+            ]
             lines.append(
                 f"| {row['shape']} | {row['dtype']} | "
                 f"{'channels_last' if row['channels_last'] else 'NCHW'} | {' | '.join(cells)} | "
-                f"{ours / row['cudnn']['device_ms']:.2f}x | "
-                f"{ours / row['torch-sync']['device_ms']:.2f}x | "
-                f"{row['syncbn-fused']['device_ms'] / ours:.2f}x |"
+                f"{' | '.join(ratios)} |"
             )
         lines.append("")
     if "step" in results and "error" not in results["step"]:
@@ -410,12 +430,13 @@ def _render(results: dict[str, Any]) -> str:
         lines += [
             "## 2 ranks on one GPU through gloo (device ms per call, worst rank)",
             "",
-            "| shape | dtype | layout | torch SyncBN | syncbn | syncbn fused |",
-            "|---|---|---|---|---|---|",
+            "| shape | dtype | layout | torch SyncBN | syncbn | syncbn fused | syncbn finalize |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row0, row1 in zip(*results["ranks"]):
             cells = [
-                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}" for k in LAYER_KINDS[1:]
+                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}" if k in row0 else "-"
+                for k in LAYER_KINDS[1:]
             ]
             layout = "channels_last" if row0["channels_last"] else "NCHW"
             lines.append(f"| {row0['shape']} | {row0['dtype']} | {layout} | {' | '.join(cells)} |")

@@ -69,6 +69,29 @@ def _launches(name: str, args: Any, result: Any) -> int:
     return 1
 
 
+def train_call(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    options: TrainOptions,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One synchronized training call (also for tests/test_kernels_finalize.py)."""
+    return sync_batch_norm_train(
+        x,
+        weight,
+        bias,
+        options,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        mask=mask,
+    )
+
+
 @pytest.mark.parametrize("kind", sorted(BUDGETS))
 def test_a_training_call_stays_within_its_op_budget(kind: str) -> None:
     torch.manual_seed(0)
@@ -82,16 +105,8 @@ def test_a_training_call_stays_within_its_op_budget(kind: str) -> None:
     options = TrainOptions(LocalReducer(), LayerInfo("budget", 8, check_mode=check_mode))
 
     def call() -> torch.Tensor:
-        return sync_batch_norm_train(
-            x,
-            weight,
-            bias,
-            options,
-            running_mean=running_mean,
-            running_var=running_var,
-            num_batches_tracked=num_batches_tracked,
-            mask=mask,
-        )
+        buffers = (running_mean, running_var, num_batches_tracked)
+        return train_call(x, weight, bias, options, *buffers, mask=mask)
 
     torch.autograd.grad(call(), (x, weight, bias), dy)  # first-call caches filled
     with _Ops() as forward:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
-from syncbn._kernels import LocalMoments, kernels_for
+from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for
 from syncbn._kernels.generic import output_offset
 
 __all__ = [
@@ -579,6 +579,28 @@ def forward_train(
         buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
     )
     count = reduced.global_count
+    fused = fused_finalize_for(buffer.device) if valid is None else None
+    if (
+        fused is not None
+        and reduced.update is not None
+        and fused.applies(moments.shift, running_mean, running_var, weight, bias)
+    ):
+        # one kernel for the per-channel maths below (a candidate, see the module)
+        saved, offset = fused.finalize_forward(
+            reduced.buffer,
+            moments.shift,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            reduced.update,
+            num_batches_tracked,
+            options.eps,
+            _stats.stat_dtype(input.dtype),
+            update_buffers=not is_recomputing(),
+        )
+        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
+        return ForwardResult(output, saved, count, input, valid)
     divisors = count_divisors(count, buffer.device)
     sums = _protocol.forward_sums(reduced.buffer)
     mean, var, unbiased_var = _stats.moments_from_divisors(sums, divisors)

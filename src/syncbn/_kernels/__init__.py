@@ -11,8 +11,12 @@ A training call needs four big passes over the data, whatever the device:
 :mod:`syncbn._kernels.generic`, a composition of torch ops that exist on every device;
 a device with faster fused kernels (``cuda``, ``xpu``, ``mps``) adds one module that
 provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused SyncBatchNorm
-element kernels) is written but not yet measured on a GPU: it is a candidate, which
-:func:`use_device_kernels` selects, until a GPU run shows it faster.
+element kernels) is a candidate, which :func:`use_device_kernels` selects, until a GPU run
+shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a GPU").
+
+Between the passes a deferred forward (the accelerators' mode) runs ~20 tiny per-channel
+ops; :mod:`syncbn._kernels.finalize` does them in one Triton kernel, another candidate,
+which :func:`use_fused_finalize` selects.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ import torch
 from syncbn._kernels import cuda, generic
 from syncbn._kernels.generic import LocalMoments
 
-__all__ = ["Kernels", "LocalMoments", "kernels_for", "use_device_kernels"]
+__all__ = [
+    "Kernels",
+    "LocalMoments",
+    "fused_finalize_for",
+    "kernels_for",
+    "use_device_kernels",
+    "use_fused_finalize",
+]
 
 
 class Kernels(Protocol):
@@ -100,3 +111,34 @@ def use_device_kernels(device_type: str, enabled: bool = True) -> None:
 def kernels_for(device: torch.device) -> Kernels:
     """The kernels for tensors on ``device``: a device-specific module, else the generic one."""
     return _BY_DEVICE_TYPE.get(device.type, generic)  # type: ignore[return-value]
+
+
+#: device types whose deferred forwards use :mod:`syncbn._kernels.finalize` (a candidate)
+_FUSED_FINALIZE: set[str] = set()
+
+
+def use_fused_finalize(device_type: str, enabled: bool = True) -> None:
+    """Use (or stop using) :mod:`syncbn._kernels.finalize`, one Triton kernel for a deferred
+    forward's per-channel maths, for ``device_type`` in this process.
+
+    For the tests (``"cpu"``, under Triton's interpreter) and the GPU benchmarks that
+    compare it with the generic maths.
+
+    Raises:
+        ImportError: if Triton is not installed.
+    """
+    if enabled:
+        from syncbn._kernels import finalize  # noqa: F401  (imports Triton, or raises)
+
+        _FUSED_FINALIZE.add(device_type)
+    else:
+        _FUSED_FINALIZE.discard(device_type)
+
+
+def fused_finalize_for(device: torch.device) -> ModuleType | None:
+    """:mod:`syncbn._kernels.finalize` if it is on for ``device``'s type, else ``None``."""
+    if device.type not in _FUSED_FINALIZE:
+        return None
+    from syncbn._kernels import finalize
+
+    return finalize

@@ -1,0 +1,236 @@
+"""syncbn._kernels.finalize: one Triton kernel for a deferred forward's per-channel maths.
+
+It must compute what the generic maths compute (syncbn._stats and the generic kernels): the
+saved statistics, the output's offset, the running statistics and the batch counter, in
+every dtype, with uneven and empty ranks, a cumulative average, and a checkpointed
+recomputation that moves nothing. Triton comes with torch's CUDA builds, not with CI's CPU
+build: CI runs this file in the environment of the optional integrations (``.ci/ecosystem``,
+torch's CUDA build, no GPU), where the kernel runs on CPU tensors through Triton's
+interpreter; on a GPU machine it runs compiled, on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from _gold import Case, Tolerance, compare, reference, run_rank
+from _harness import WorkerPool
+from test_op_budget import _Ops, train_call
+
+import syncbn
+from syncbn import _kernels
+from syncbn._autograd import LayerInfo, LocalReducer, TrainOptions
+
+pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
+
+#: on a GPU machine the kernel runs compiled on CUDA tensors, elsewhere interpreted on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: there, it is one of the GPU checks (``bash .ci/gpu tests``: ``-m cuda``)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
+
+@contextlib.contextmanager
+def fused_finalize() -> Iterator[None]:
+    """The fused kernel on for :data:`DEVICE` (on the CPU through Triton's interpreter,
+    which Triton reads when the kernel is defined: at the module's first import)."""
+    interpret = DEVICE == "cpu" and "TRITON_INTERPRET" not in os.environ
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        _kernels.use_fused_finalize(DEVICE)
+    finally:
+        if interpret:
+            del os.environ["TRITON_INTERPRET"]
+    try:
+        yield
+    finally:
+        _kernels.use_fused_finalize(DEVICE, enabled=False)
+
+
+def _steps(
+    fused: bool, dtype: torch.dtype, param_dtype: torch.dtype | None, case: dict[str, Any]
+) -> Any:
+    """Two deferred training calls of one process (the one-process reducer) and what they
+    leave: outputs, gradients, running statistics, batch counter, or the error raised."""
+    torch.manual_seed(0)
+    n, momentum, running = case["n"], case["momentum"], case["running"]
+    x = (torch.randn(n, 8, 3, 3, dtype=torch.float64) * 3 + 5).to(DEVICE, dtype)
+    dy = torch.randn(n, 8, 3, 3, dtype=torch.float64).to(DEVICE, dtype)
+    param_dtype = param_dtype or dtype
+    weight = bias = running_mean = running_var = num_batches_tracked = None
+    if case["affine"]:
+        weight = (torch.rand(8, dtype=torch.float64) + 0.5).to(DEVICE, param_dtype)
+        bias = torch.randn(8, dtype=torch.float64).to(DEVICE, param_dtype)
+    if running:
+        running_mean = torch.randn(8, dtype=torch.float64).to(DEVICE, param_dtype)
+        running_var = (torch.rand(8, dtype=torch.float64) + 1).to(DEVICE, param_dtype)
+        num_batches_tracked = torch.tensor(3, device=DEVICE)
+    layer = LayerInfo("finalize", 8, check_mode="deferred")
+    options = TrainOptions(LocalReducer(), layer, eps=1e-5, momentum=momentum)
+    leaves = [t.requires_grad_() for t in (x, weight, bias) if t is not None]
+    results: list[torch.Tensor] = []
+    with fused_finalize() if fused else contextlib.nullcontext():
+        for _ in range(2):
+            try:
+                y = train_call(
+                    x, weight, bias, options, running_mean, running_var, num_batches_tracked
+                )
+            except RuntimeError as error:
+                return str(error)
+            results += [y, *torch.autograd.grad(y, leaves, dy)]
+    buffers = (running_mean, running_var, num_batches_tracked)
+    return [t.detach().cpu() for t in results + [b for b in buffers if b is not None]]
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    return lambda message: f"{prefix}: {message}"
+
+
+#: (input dtype, parameter dtype): float32 parameters for low-precision input, as torch's
+LAYER_DTYPES = [
+    (torch.float64, None),
+    (torch.float32, None),
+    (torch.float32, torch.float64),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("dtypes", LAYER_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d if t))
+def test_one_process_equals_the_generic_maths(dtypes: tuple[torch.dtype, Any]) -> None:
+    """Every combination of affine, running statistics, momentum (or a cumulative
+    average) and local batch size (4; 1 raises, "more than 1 value"; 0, an empty batch)."""
+    compared = 0
+    for affine, running, momentum, n in itertools.product(
+        [True, False], [True, False], [0.1, None], [4, 1, 0]
+    ):
+        case = dict(affine=affine, running=running, momentum=momentum, n=n)
+        generic, fused = _steps(False, *dtypes, case), _steps(True, *dtypes, case)
+        if isinstance(generic, str) or isinstance(fused, str):
+            assert fused == generic, case
+            continue
+        assert len(fused) == len(generic), case
+        for actual, expected in zip(fused, generic):
+            tolerance: Tolerance
+            if expected.dtype == torch.bfloat16:
+                # Triton's interpreter rounds a conversion to bfloat16 towards zero, where
+                # a GPU rounds to nearest, as torch does: a running statistic converts
+                # twice (its target, its new value), one unit in the last place each
+                tolerance = {"rtol": 2**-6, "atol": 2**-6}
+            elif expected.dtype == torch.float16:
+                tolerance = {"rtol": 1e-3, "atol": 1e-3}
+            elif expected.dtype == torch.float32:
+                tolerance = {"rtol": 1e-6, "atol": 1e-6}
+            else:
+                tolerance = {"rtol": 1e-12, "atol": 1e-12}
+            torch.testing.assert_close(actual, expected, **tolerance, msg=_prefixed(str(case)))
+            compared += 1
+    assert compared > 0
+
+
+def _fused_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    with fused_finalize():
+        return run_rank(rank, world_size, case)  # type: ignore[no-any-return]
+
+
+#: the gold cases of tests/test_batchnorm.py that deferred calls take, and more dtypes
+GOLD = {
+    "2d": Case(sizes=()),
+    "1d-NC": Case(sizes=(), tail=(5,)),
+    "momentum-none": Case(sizes=(), momentum=None, steps=4),
+    "no-running-stats": Case(sizes=(), track_running_stats=False),
+    "affine-false": Case(sizes=(), affine=False),
+    "offset-scale": Case(sizes=(), offset=3.0, scale=5.0, eps=1e-3),
+    "float32-channels-last": Case(sizes=(), dtype="float32", tail=(4, 6, 6), channels_last=True),
+    "bfloat16-float32-params": Case(
+        sizes=(), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6)
+    ),
+}
+SIZES: dict[int, list[tuple[int, ...]]] = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
+
+
+@pytest.mark.parametrize("sizes_index", [0, 1], ids=["uneven", "with-empty"])
+@pytest.mark.parametrize("name", list(GOLD))
+def test_gold_on_ranks_equals_batchnorm_on_the_global_batch(
+    pool: WorkerPool, name: str, sizes_index: int
+) -> None:
+    sizes = SIZES[pool.world_size][sizes_index]
+    extra = {"check_mode": "deferred", "device": DEVICE}
+    case = dataclasses.replace(GOLD[name], sizes=sizes, extra=extra)
+    compare(case, pool.run(_fused_rank, case), reference(case))
+
+
+def _checkpointed(rank: int, world_size: int, use_reentrant: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(4).to(DEVICE)
+    layer.check_mode = "deferred"
+    with fused_finalize():
+        for step in range(3):
+            x = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(rank + 10 * step))
+            x = x.to(DEVICE).requires_grad_()
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
+            y.square().sum().backward()
+    return {k: v.detach().cpu() for k, v in layer.state_dict().items()}
+
+
+def _plain(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(4).to(DEVICE)
+    layer.check_mode = "deferred"
+    for step in range(3):
+        x = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(rank + 10 * step))
+        layer(x.to(DEVICE).requires_grad_()).square().sum().backward()
+    return {k: v.detach().cpu() for k, v in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_checkpointed_recomputation_moves_the_running_statistics_once(
+    pool2: WorkerPool, use_reentrant: bool
+) -> None:
+    expected = pool2.run(_plain)[0]
+    state = pool2.run(_checkpointed, use_reentrant)[0]
+    assert state["num_batches_tracked"].item() == 3
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_a_deferred_forward_runs_14_torch_kernels_and_the_fused_one() -> None:
+    """The torch kernels of a deferred forward with the fused kernel on: 14 (and the Triton
+    kernel), against the 33 of tests/test_op_budget.py's generic count; the backward is
+    unchanged. On a GPU each is a launch (the first GPU run: host-bound, ~2.2 ms per call)."""
+
+    class TorchKernels(_Ops):
+        """Leaves out what Triton's interpreter runs on the CPU for the kernel itself."""
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if any("triton" in frame.filename for frame in traceback.extract_stack()):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 3, 3, device=DEVICE, requires_grad=True)
+    weight = torch.rand(8, device=DEVICE, requires_grad=True)
+    bias = torch.zeros(8, device=DEVICE, requires_grad=True)
+    running_mean, running_var = torch.zeros(8, device=DEVICE), torch.ones(8, device=DEVICE)
+    num_batches_tracked = torch.zeros((), dtype=torch.long, device=DEVICE)
+    options = TrainOptions(LocalReducer(), LayerInfo("budget", 8, check_mode="deferred"))
+
+    buffers = (running_mean, running_var, num_batches_tracked)
+    with fused_finalize():
+        train_call(x, weight, bias, options, *buffers)  # first-call caches filled
+        with TorchKernels() as forward:
+            train_call(x, weight, bias, options, *buffers)
+    assert len(forward.kernels) <= 14, forward.kernels
+    assert "native_batch_norm_backward" in forward.kernels  # the local sums still run
