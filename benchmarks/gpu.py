@@ -10,7 +10,7 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
   and host synchronizations per call (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
   syncbn runs three times: on its generic kernels, on ``syncbn._kernels.cuda`` (torch's fused
   SyncBatchNorm element kernels, float32 rows only), and with ``syncbn._kernels.finalize``
-  (a deferred forward's per-channel maths in one Triton kernel), to decide what the CUDA
+  (a deferred forward's checks and per-channel maths in one Triton kernel), to decide what the CUDA
   path keeps.
 - ``step``: a torchvision resnet50 training step (batch 32, bfloat16 autocast,
   channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step;

@@ -573,34 +573,41 @@ def forward_train(
         buffer = _protocol.pack_forward(
             moments.local_count, moments.total, moments.square_total, options.layer.fingerprint
         )
+    fused = fused_finalize_for(buffer.device) if mode == "deferred" and valid is None else None
+    if fused is not None and fused.applies(moments.shift, running_mean, running_var, weight, bias):
+        # one kernel for the checks and the per-channel maths below (a candidate)
+        buffer = options.reducer.all_reduce(buffer, "forward")
+        running = first_given(running_mean, running_var)
+        momentum = options.momentum
+        counted = None
+        if momentum is not None or num_batches_tracked is None:  # not a cumulative average
+            update_dtype = torch.float64 if running is None else running.dtype
+            factor = 0.0 if momentum is None else momentum
+            counted = counted_update(factor, buffer.device, update_dtype)
+        saved, offset, header = fused.finalize_forward(
+            buffer,
+            moments.shift,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            counted,
+            (options.reducer.world_size, options.layer.fingerprint),
+            options.eps,
+            _stats.stat_dtype(input.dtype),
+            update_buffers=not is_recomputing(),
+        )
+        check = options.header_check("forward", tuple(input.shape))
+        _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
+        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
+        return ForwardResult(output, saved, _protocol.count_slot(buffer), input)
     running = first_given(running_mean, running_var)
     update_dtype = torch.float64 if running is None else running.dtype
     reduced = reduce_forward(
         buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
     )
     count = reduced.global_count
-    fused = fused_finalize_for(buffer.device) if valid is None else None
-    if (
-        fused is not None
-        and reduced.update is not None
-        and fused.applies(moments.shift, running_mean, running_var, weight, bias)
-    ):
-        # one kernel for the per-channel maths below (a candidate, see the module)
-        saved, offset = fused.finalize_forward(
-            reduced.buffer,
-            moments.shift,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            reduced.update,
-            num_batches_tracked,
-            options.eps,
-            _stats.stat_dtype(input.dtype),
-            update_buffers=not is_recomputing(),
-        )
-        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
-        return ForwardResult(output, saved, count, input, valid)
     divisors = count_divisors(count, buffer.device)
     sums = _protocol.forward_sums(reduced.buffer)
     mean, var, unbiased_var = _stats.moments_from_divisors(sums, divisors)

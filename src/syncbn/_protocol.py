@@ -47,6 +47,8 @@ import torch
 
 __all__ = [
     "CHECK_MODES",
+    "COUNT_SLOT",
+    "FORWARD_HEADER_VALUES",
     "Header",
     "HeaderCheck",
     "backward_size",
@@ -74,6 +76,10 @@ __all__ = [
 
 _HEADER_SIZE = 3  # error, fingerprint, fingerprint**2
 _COUNT_SLOT = _HEADER_SIZE  # forward buffers only
+#: the slot of a forward buffer's count, for kernels that read a buffer themselves
+COUNT_SLOT = _COUNT_SLOT
+#: how many numbers :func:`header_values` takes from a forward buffer (two rows of six)
+FORWARD_HEADER_VALUES = 12
 PACK_DTYPE = torch.float64
 
 #: How a call checks its all-reduced header: ``"auto"`` is immediate on CPU, deferred elsewhere.

@@ -14,9 +14,9 @@ provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused Syn
 element kernels) is a candidate, which :func:`use_device_kernels` selects, until a GPU run
 shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a GPU").
 
-Between the passes a deferred forward (the accelerators' mode) runs ~20 tiny per-channel
-ops; :mod:`syncbn._kernels.finalize` does them in one Triton kernel, another candidate,
-which :func:`use_fused_finalize` selects.
+After its collective a deferred forward (the accelerators' mode) runs 24 tiny ops (the
+checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in one Triton
+kernel, another candidate, which :func:`use_fused_finalize` selects.
 """
 
 from __future__ import annotations

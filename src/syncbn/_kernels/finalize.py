@@ -1,14 +1,17 @@
-"""A synchronized forward's per-channel maths after its collective, as one Triton kernel.
+"""A synchronized forward's checks and per-channel maths after its collective, as one
+Triton kernel.
 
 On a GPU an eager training call is bound by the host: the first GPU run (H100, 2026-11-28,
 README "On a GPU") measured ~2.2 ms of host time per forward+backward call of one layer,
 whatever the shape, for 43 kernel launches, and ~130 µs of device time per call inside a
 CUDA graph, where cuDNN's BatchNorm takes a few kernels. Of a deferred forward's 33 kernels,
-19 are tiny per-channel ops between the collective and the output pass: the divisors of
-the global count, mean and variances, scale, the saved statistics, the output's offset, the
-running statistics and the batch counter. :func:`finalize_forward` does all of them in one
-kernel, with the same float64 maths (the same formulas and rounding steps as
-:mod:`syncbn._stats` and :func:`syncbn._kernels.generic.output_offset`).
+24 are tiny ops between the collective and the output pass: the header's checks
+(:func:`syncbn._protocol.device_flags`) and the factor of the running statistics' update,
+the divisors of the global count, mean and variances, scale, the saved statistics, the
+output's offset, the running statistics and the batch counter.
+:func:`finalize_forward` does all of them in one kernel, with the same float64 maths (the
+same formulas and rounding steps as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
+:func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`).
 
 Only deferred, unmasked calls take it (a masked call's backward needs the mean in float64,
 and an immediate call's count is a number on the host). It is a candidate, off unless
@@ -65,55 +68,67 @@ def finalize_forward(
     bias: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
-    update: torch.Tensor,
     num_batches_tracked: torch.Tensor | None,
+    counted_update: torch.Tensor | None,
+    checks: tuple[int, int],
     eps: float,
     dtype: torch.dtype,
     update_buffers: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The saved statistics and the output's offset of a deferred call, from its all-reduced
-    buffer; the running statistics and the batch counter moved in place.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A deferred call's checks and statistics from its all-reduced forward buffer: the
+    saved statistics, the output's offset, the header values for the host; the running
+    statistics and the batch counter moved in place where the checks pass.
 
     Args:
         buffer: the all-reduced forward buffer (float64, :mod:`syncbn._protocol`).
         shift: ``(C,)`` float64, the local moments' shift.
-        update: ``[increment, factor]`` of :func:`syncbn._autograd.reduce_forward` (zeros
-            where the checks failed or the global batch is empty), in the running
-            statistics' dtype.
+        counted_update: :func:`syncbn._autograd.counted_update`, ``[1, momentum]`` in the
+            running statistics' dtype; ``None`` for a cumulative average (``momentum=None``
+            with a batch counter), whose factor is ``1 / (num_batches_tracked + 1)``.
+        checks: the world size and this rank's fingerprint of the layer, which
+            :func:`syncbn._protocol.device_flags` compares the header with.
         dtype: the statistics dtype of the call.
         update_buffers: false in a checkpointed recomputation, which moves nothing.
 
     Returns:
-        ``saved``, the ``(4, C)`` rows ``[mean, var, scale, scale / -n]``, and the ``(C,)``
-        ``offset`` ``bias + (shift - mean) * scale``, both in ``dtype``.
+        ``saved``, the ``(4, C)`` rows ``[mean, var, scale, scale / -n]``, the ``(C,)``
+        ``offset`` ``bias + (shift - mean) * scale``, both in ``dtype``, and the buffer's
+        :func:`syncbn._protocol.header_values`, for :func:`syncbn._protocol.defer_check`.
     """
     num_channels = shift.numel()
     saved = torch.empty(4, num_channels, dtype=dtype, device=buffer.device)
     offset = torch.empty(num_channels, dtype=dtype, device=buffer.device)
+    header = torch.empty(_protocol.FORWARD_HEADER_VALUES, dtype=buffer.dtype, device=buffer.device)
     running = running_mean is not None and update_buffers
     counted = num_batches_tracked is not None and update_buffers
+    world_size, fingerprint = checks
     unused = buffer  # a pointer the kernel never reads (its flag is off)
-    _finalize_forward_kernel[(triton.cdiv(num_channels, _BLOCK),)](
-        _protocol.forward_moments(buffer),
+    _finalize_forward_kernel[(1,)](
+        buffer,
         shift,
         unused if weight is None else weight,
         unused if bias is None else bias,
         running_mean if running else unused,
         running_var if running else unused,
-        update,
-        num_batches_tracked if counted else unused,
+        num_batches_tracked if num_batches_tracked is not None else unused,
+        unused if counted_update is None else counted_update,
         _epsilon(eps, buffer.device),
         saved,
         offset,
+        header,
         num_channels,
+        world_size,
+        fingerprint,
+        COUNT_SLOT=_protocol.COUNT_SLOT,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         UPDATE_RUNNING=running,
-        WIDE_RUNNING=running and update.dtype == torch.float64,
+        WIDE_RUNNING=running_mean is not None and running_mean.dtype == torch.float64,
         COUNT_BATCH=counted,
+        CUMULATIVE=counted_update is None,
         BLOCK=_BLOCK,
     )
-    return saved, offset
+    return saved, offset, header
 
 
 @triton.jit
@@ -127,74 +142,122 @@ def _moved(start, end, factor, WIDE: tl.constexpr):  # type: ignore[no-untyped-d
     return tl.where(tl.abs(factor) < 0.5, start + factor * step, end - step * (1.0 - factor))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_channels", "world_size", "fingerprint"])
 def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
-    moments,
+    buffer,
     shift,
     weight,
     bias,
     running_mean,
     running_var,
-    update,
     num_batches_tracked,
+    counted_update,
     epsilon,
     saved,
     offset,
+    header,
     num_channels,
+    world_size,
+    fingerprint,
+    COUNT_SLOT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UPDATE_RUNNING: tl.constexpr,
     WIDE_RUNNING: tl.constexpr,
     COUNT_BATCH: tl.constexpr,
+    CUMULATIVE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    channel = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = channel < num_channels
-    # the global count, and the divisors of syncbn._autograd.count_divisors
-    n = tl.load(moments)
+    # syncbn._protocol.header_values and device_flags: no error flag, every rank's
+    # fingerprint in the sums and the trailer, a global count other than 1 (passes: the
+    # call counts a batch) and other than 0 (moves: the running statistics move)
+    error = tl.load(buffer)
+    fingerprint_sum = tl.load(buffer + 1)
+    fingerprint_square_sum = tl.load(buffer + 2)
+    trailer = tl.load(buffer + COUNT_SLOT + 1 + 2 * num_channels)
+    n = tl.load(buffer + COUNT_SLOT)
+    f = fingerprint.to(tl.float64)
+    expected = world_size.to(tl.float64) * f
+    same_layer = (
+        (fingerprint_sum == expected)
+        & (fingerprint_square_sum == expected * f)
+        & (trailer == expected)
+    )
+    passes = (error == 0.0) & same_layer & (n != 1.0)
+    moves = passes & (n != 0.0)
+    # header_values' two rows of six, which the deferred check reads on the host
+    tl.store(header, error)
+    tl.store(header + 1, fingerprint_sum)
+    tl.store(header + 2, fingerprint_square_sum)
+    tl.store(header + 3, trailer)
+    tl.store(header + 4, n)
+    tl.store(header + 5, error)
+    tl.store(header + 6, error)
+    tl.store(header + 7, fingerprint_sum)
+    tl.store(header + 8, fingerprint_square_sum)
+    tl.store(header + 9, trailer)
+    tl.store(header + 10, n)
+    tl.store(header + 11, n)
+    # the divisors of syncbn._autograd.count_divisors
     n_divisor = tl.maximum(n, 1.0)
     unbiased_divisor = tl.maximum(n - 1.0, 1.0)
     gradient_divisor = tl.minimum(-n, -1.0)
-    total = tl.load(moments + 1 + channel, mask=inside, other=0.0)
-    square_total = tl.load(moments + 1 + num_channels + channel, mask=inside, other=0.0)
-    # syncbn._stats.moments_from_divisors; a NaN stays NaN (as clamp_ keeps it)
-    mean = total / n_divisor
-    deviations = square_total - total * mean
-    deviations = tl.where(deviations < 0.0, 0.0, deviations)
-    var = deviations / n_divisor
-    unbiased_var = deviations / unbiased_divisor
-    # syncbn._stats.scale, in float64
-    scale = 1.0 / tl.sqrt(var + tl.load(epsilon))
-    if HAS_WEIGHT:
-        scale = scale * tl.load(weight + channel, mask=inside, other=1.0).to(tl.float64)
-    # syncbn._kernels.generic.output_offset
-    shifted_offset = (tl.load(shift + channel, mask=inside, other=0.0) - mean) * scale
-    if HAS_BIAS:
-        shifted_offset += tl.load(bias + channel, mask=inside, other=0.0).to(tl.float64)
-    stat_type = saved.dtype.element_ty
-    tl.store(saved + channel, mean.to(stat_type), mask=inside)
-    tl.store(saved + num_channels + channel, var.to(stat_type), mask=inside)
-    tl.store(saved + 2 * num_channels + channel, scale.to(stat_type), mask=inside)
-    row = (scale / gradient_divisor).to(stat_type)
-    tl.store(saved + 3 * num_channels + channel, row, mask=inside)
-    tl.store(offset + channel, shifted_offset.to(stat_type), mask=inside)
+    factor = 0.0
     if UPDATE_RUNNING:
-        # syncbn._stats.update_running_stats: the targets in the statistics dtype, then in
-        # the buffers' dtype, moved by the factor in the buffers' dtype
+        # syncbn._autograd.reduce_forward's factor, in the buffers' dtype (0 unless the
+        # statistics move); read before the batch counter moves, at the end
         running_type = running_mean.dtype.element_ty
-        if WIDE_RUNNING:
-            factor = tl.load(update + 1).to(tl.float64)
+        if CUMULATIVE:
+            average = 1.0 / (tl.load(num_batches_tracked) + 1).to(tl.float64)
+            if not WIDE_RUNNING:  # as torch converts a float64 to 16 bits: through float32
+                average = average.to(tl.float32)
+            factor = tl.where(moves, average, 0.0).to(running_type)
         else:
-            factor = tl.load(update + 1).to(tl.float32)
-        start = tl.load(running_mean + channel, mask=inside, other=0.0)
-        end = mean.to(stat_type).to(running_type)
-        moved = _moved(start, end, factor, WIDE_RUNNING)
-        tl.store(running_mean + channel, moved.to(running_type), mask=inside)
-        start = tl.load(running_var + channel, mask=inside, other=0.0)
-        end = unbiased_var.to(stat_type).to(running_type)
-        moved = _moved(start, end, factor, WIDE_RUNNING)
-        tl.store(running_var + channel, moved.to(running_type), mask=inside)
+            factor = tl.where(moves, tl.load(counted_update + 1), 0.0).to(running_type)
+        if WIDE_RUNNING:
+            factor = factor.to(tl.float64)
+        else:
+            factor = factor.to(tl.float32)
+    # one program for every channel (a loop over blocks): the per-channel work is tiny, and
+    # a single program reads the batch counter before it moves it
+    moments = buffer + COUNT_SLOT
+    for first in range(0, num_channels, BLOCK):
+        channel = first + tl.arange(0, BLOCK)
+        inside = channel < num_channels
+        total = tl.load(moments + 1 + channel, mask=inside, other=0.0)
+        square_total = tl.load(moments + 1 + num_channels + channel, mask=inside, other=0.0)
+        # syncbn._stats.moments_from_divisors; a NaN stays NaN (as clamp_ keeps it)
+        mean = total / n_divisor
+        deviations = square_total - total * mean
+        deviations = tl.where(deviations < 0.0, 0.0, deviations)
+        var = deviations / n_divisor
+        unbiased_var = deviations / unbiased_divisor
+        # syncbn._stats.scale, in float64
+        scale = 1.0 / tl.sqrt(var + tl.load(epsilon))
+        if HAS_WEIGHT:
+            scale = scale * tl.load(weight + channel, mask=inside, other=1.0).to(tl.float64)
+        # syncbn._kernels.generic.output_offset
+        shifted_offset = (tl.load(shift + channel, mask=inside, other=0.0) - mean) * scale
+        if HAS_BIAS:
+            shifted_offset += tl.load(bias + channel, mask=inside, other=0.0).to(tl.float64)
+        stat_type = saved.dtype.element_ty
+        tl.store(saved + channel, mean.to(stat_type), mask=inside)
+        tl.store(saved + num_channels + channel, var.to(stat_type), mask=inside)
+        tl.store(saved + 2 * num_channels + channel, scale.to(stat_type), mask=inside)
+        row = (scale / gradient_divisor).to(stat_type)
+        tl.store(saved + 3 * num_channels + channel, row, mask=inside)
+        tl.store(offset + channel, shifted_offset.to(stat_type), mask=inside)
+        if UPDATE_RUNNING:
+            # syncbn._stats.update_running_stats: the targets in the statistics dtype, then in
+            # the buffers' dtype
+            running_type = running_mean.dtype.element_ty
+            start = tl.load(running_mean + channel, mask=inside, other=0.0)
+            end = mean.to(stat_type).to(running_type)
+            moved = _moved(start, end, factor, WIDE_RUNNING)
+            tl.store(running_mean + channel, moved.to(running_type), mask=inside)
+            start = tl.load(running_var + channel, mask=inside, other=0.0)
+            end = unbiased_var.to(stat_type).to(running_type)
+            moved = _moved(start, end, factor, WIDE_RUNNING)
+            tl.store(running_var + channel, moved.to(running_type), mask=inside)
     if COUNT_BATCH:
-        if tl.program_id(0) == 0:
-            increment = tl.load(update).to(tl.int64)
-            tl.store(num_batches_tracked, tl.load(num_batches_tracked) + increment)
+        tl.store(num_batches_tracked, tl.load(num_batches_tracked) + passes.to(tl.int64))
