@@ -235,7 +235,9 @@ def test_a_deferred_forward_runs_9_torch_kernels_and_the_fused_one() -> None:
         train_call(x, weight, bias, options, *buffers)  # first-call caches filled
         with TorchKernels() as forward:
             train_call(x, weight, bias, options, *buffers)
-    assert len(forward.kernels) <= 9, forward.kernels
+    # on CUDA the deferred check's copy of the header to pinned host memory is one more
+    # (with the generic maths too)
+    assert len(forward.kernels) <= 9 + (DEVICE == "cuda"), forward.kernels
     assert "native_batch_norm_backward" in forward.kernels  # the local sums still run
 
 
