@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -541,6 +542,10 @@ def forward_train(
     problem of an earlier call is raised before that, without joining (see
     :func:`resolve_mode`).
 
+    A deferred, unmasked call on a device for which
+    :func:`syncbn._kernels.use_fused_finalize` is on (a candidate, off by default) finishes
+    in :func:`_forward_on_fused_kernel`.
+
     Args:
         mask: bool, True at the valid positions (the input's shape without the channel
             dimension, or broadcastable to it), or ``None``. See :attr:`ForwardResult.valid`.
@@ -575,33 +580,10 @@ def forward_train(
         )
     fused = fused_finalize_for(buffer.device) if mode == "deferred" and valid is None else None
     if fused is not None and fused.applies(moments.shift, running_mean, running_var, weight, bias):
-        # one kernel for the checks and the per-channel maths below (a candidate)
-        buffer = options.reducer.all_reduce(buffer, "forward")
-        running = first_given(running_mean, running_var)
-        momentum = options.momentum
-        counted = None
-        if momentum is not None or num_batches_tracked is None:  # not a cumulative average
-            update_dtype = torch.float64 if running is None else running.dtype
-            factor = 0.0 if momentum is None else momentum
-            counted = counted_update(factor, buffer.device, update_dtype)
-        saved, offset, header = fused.finalize_forward(
-            buffer,
-            moments.shift,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            num_batches_tracked,
-            counted,
-            (options.reducer.world_size, options.layer.fingerprint),
-            options.eps,
-            _stats.stat_dtype(input.dtype),
-            update_buffers=not is_recomputing(),
+        buffers = (running_mean, running_var, num_batches_tracked)
+        return _forward_on_fused_kernel(
+            fused, buffer, input, moments, weight, bias, *buffers, options
         )
-        check = options.header_check("forward", tuple(input.shape))
-        _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
-        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
-        return ForwardResult(output, saved, _protocol.count_slot(buffer), input)
     running = first_given(running_mean, running_var)
     update_dtype = torch.float64 if running is None else running.dtype
     reduced = reduce_forward(
@@ -638,6 +620,52 @@ def forward_train(
         num_batches_tracked.add_(1 if increment is None else increment)
     output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
     return ForwardResult(output, saved, count, saved_input, valid)
+
+
+def _forward_on_fused_kernel(
+    fused: ModuleType,
+    buffer: torch.Tensor,
+    input: torch.Tensor,
+    moments: LocalMoments,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    options: TrainOptions,
+) -> ForwardResult:
+    """The rest of a deferred, unmasked :func:`forward_train` from its packed ``buffer``,
+    with :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
+    kernel for the checks and the per-channel maths that :func:`reduce_forward`,
+    :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
+    then the output pass."""
+    buffer = options.reducer.all_reduce(buffer, "forward")
+    counted = None  # a cumulative average: the kernel divides by the batch counter
+    if options.momentum is not None or num_batches_tracked is None:
+        running = first_given(running_mean, running_var)
+        update_dtype = torch.float64 if running is None else running.dtype
+        factor = 0.0 if options.momentum is None else options.momentum
+        counted = counted_update(factor, buffer.device, update_dtype)
+    saved, offset, header = fused.finalize_forward(
+        buffer,
+        moments.shift,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        counted,
+        (options.reducer.world_size, options.layer.fingerprint),
+        options.eps,
+        _stats.stat_dtype(input.dtype),
+        update_buffers=not is_recomputing(),  # a checkpointed forward already moved them
+    )
+    check = options.header_check("forward", tuple(input.shape))
+    _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
+    output = kernels_for(input.device).normalize(
+        input, moments, saved, offset, weight, bias, options.eps
+    )
+    return ForwardResult(output, saved, _protocol.count_slot(buffer), input)
 
 
 def backward_input(

@@ -119,7 +119,7 @@ _FUSED_FINALIZE: set[str] = set()
 
 def use_fused_finalize(device_type: str, enabled: bool = True) -> None:
     """Use (or stop using) :mod:`syncbn._kernels.finalize`, one Triton kernel for a deferred
-    forward's per-channel maths, for ``device_type`` in this process.
+    forward's checks and per-channel maths, for ``device_type`` in this process.
 
     For the tests (``"cpu"``, under Triton's interpreter) and the GPU benchmarks that
     compare it with the generic maths.
