@@ -12,7 +12,7 @@
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
    30 most expensive functions by own time (``prof-*.txt``), and ``torch.profiler``'s table
    of 20 calls, host time per aten op and CUDA runtime call with counts (``ops-*.txt``),
-   per dtype, layout and check mode.
+   per dtype, layout and check mode, and with ``syncbn._kernels.finalize`` (``-fused``).
 
 Usage::
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import syncbn
+from syncbn import _kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _gold  # noqa: E402  (the gold case's data, from the tests)
@@ -91,59 +92,78 @@ def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
 
 
 def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -> None:
-    """Host time of eager forward+backward calls, and cProfile's view of it."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for dtype, channels_last, mode in (
-        (torch.float32, False, "deferred"),
-        (torch.float32, False, "immediate"),
-        (torch.bfloat16, True, "deferred"),
+    """Host time of eager forward+backward calls, and cProfile's view of it; a variant that
+    fails (the fused kernel's first compilation, say) is reported and the others still run."""
+    for dtype, channels_last, mode, fused in (
+        (torch.float32, False, "deferred", False),
+        (torch.float32, False, "deferred", True),
+        (torch.float32, False, "immediate", False),
+        (torch.bfloat16, True, "deferred", False),
     ):
-        layer = syncbn.SyncBatchNorm(256).to(device)
-        layer._sync_alone = True
-        layer.check_mode = mode
-        x = torch.randn(32, 256, 14, 14, device=device, dtype=dtype)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        x.requires_grad_()
-        dy = torch.randn_like(x)
+        layout = "cl" if channels_last else "nchw"
+        name = f"{str(dtype).removeprefix('torch.')}-{layout}-{mode}{'-fused' * fused}"
+        # fused: syncbn._kernels.finalize (one Triton kernel after the forward collective)
+        try:
+            _kernels.use_fused_finalize(device.type, enabled=fused)
+            _profile(device, dtype, channels_last, mode, out / name, say)
+        except Exception as error:  # noqa: BLE001 - reported, and the next variant runs
+            say(f"32x256x14x14 {name}: failed: {type(error).__name__}: {error}")
+        finally:
+            _kernels.use_fused_finalize(device.type, enabled=False)
 
-        def call(
-            layer: syncbn.SyncBatchNorm = layer, x: torch.Tensor = x, dy: torch.Tensor = dy
-        ) -> None:
-            torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
 
+def _profile(
+    device: torch.device,
+    dtype: torch.dtype,
+    channels_last: bool,
+    mode: str,
+    stem: Path,
+    say: Callable[[str], None],
+) -> None:
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layer = syncbn.SyncBatchNorm(256).to(device)
+    layer._sync_alone = True
+    layer.check_mode = mode
+    x = torch.randn(32, 256, 14, 14, device=device, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    dy = torch.randn_like(x)
+
+    def call() -> None:
+        torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
+
+    for _ in range(20):
+        call()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        call()
+    host = (time.perf_counter() - start) / 50
+    synchronize()
+    total = (time.perf_counter() - start) / 50
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(50):
+        call()
+    profiler.disable()
+    synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    stem.with_name(f"prof-{stem.name}.txt").write_text(text.getvalue())
+    # torch's view of the same calls: host time per aten op and per CUDA runtime call
+    # (cudaLaunchKernel, cudaMemcpyAsync, cudaEventRecord ...), and their counts
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as ops:
         for _ in range(20):
             call()
         synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            call()
-        host = (time.perf_counter() - start) / 50
-        synchronize()
-        total = (time.perf_counter() - start) / 50
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(50):
-            call()
-        profiler.disable()
-        synchronize()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        name = f"{str(dtype).removeprefix('torch.')}-{'cl' if channels_last else 'nchw'}-{mode}"
-        (out / f"prof-{name}.txt").write_text(text.getvalue())
-        # torch's view of the same calls: host time per aten op and per CUDA runtime call
-        # (cudaLaunchKernel, cudaMemcpyAsync, cudaEventRecord ...), and their counts
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as ops:
-            for _ in range(20):
-                call()
-            synchronize()
-        table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-        (out / f"ops-{name}.txt").write_text(table)
-        say(f"32x256x14x14 {name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
-        say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
+    table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    stem.with_name(f"ops-{stem.name}.txt").write_text(table)
+    say(f"32x256x14x14 {stem.name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
+    say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
 
 
 def main(argv: list[str] | None = None) -> int:
