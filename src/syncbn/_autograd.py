@@ -638,7 +638,7 @@ def _forward_on_fused_kernel(
     with :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
     kernel for the checks and the per-channel maths that :func:`reduce_forward`,
     :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
-    then the output pass."""
+    then the output pass (one ``addcmul`` where the generic kernels make two passes)."""
     buffer = options.reducer.all_reduce(buffer, "forward")
     counted = None  # a cumulative average: the kernel divides by the batch counter
     if options.momentum is not None or num_batches_tracked is None:
@@ -662,9 +662,12 @@ def _forward_on_fused_kernel(
     )
     check = options.header_check("forward", tuple(input.shape))
     _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
-    output = kernels_for(input.device).normalize(
-        input, moments, saved, offset, weight, bias, options.eps
-    )
+    centered = moments.centered
+    if centered is not None and input.dtype == saved.dtype:  # float32, float64 input
+        output = fused.normalize(centered, saved[2], offset)
+    else:  # low precision (the generic kernels' batch_norm), or an empty batch
+        kernels = kernels_for(input.device)
+        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
     return ForwardResult(output, saved, _protocol.count_slot(buffer), input)
 
 

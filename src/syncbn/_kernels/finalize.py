@@ -13,13 +13,14 @@ output's offset, the running statistics and the batch counter.
 same formulas and rounding steps as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
 :func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`).
 
-Only deferred, unmasked calls take it (a masked call's backward needs the mean in float64,
-and an immediate call's count is a number on the host). It is a candidate, off unless
-:func:`syncbn._kernels.use_fused_finalize` turns it on for a device type, until a GPU run
-measures it faster (``benchmarks/gpu.py``, variant ``syncbn-finalize``). This module imports
-Triton (which torch's CUDA builds install), so syncbn imports it only then; on the CPU the
-tests run the kernel through Triton's interpreter (``TRITON_INTERPRET=1``), where it
-computes the same function.
+With it the output pass is :func:`normalize`: one ``addcmul`` instead of the generic
+kernels' two passes. Only deferred, unmasked calls take it (a masked call's backward needs
+the mean in float64, and an immediate call's count is a number on the host). It is a
+candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns it on for a device
+type, until a GPU run measures it faster (``benchmarks/gpu.py``, variant
+``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
+syncbn imports it only then; on the CPU the tests run the kernel through Triton's
+interpreter (``TRITON_INTERPRET=1``), where it computes the same function.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import triton
 import triton.language as tl
 
 from syncbn import _protocol
+from syncbn._kernels import generic
 
-__all__ = ["applies", "finalize_forward"]
+__all__ = ["applies", "finalize_forward", "normalize"]
 
 #: channels per program
 _BLOCK = 256
@@ -129,6 +131,17 @@ def finalize_forward(
         BLOCK=_BLOCK,
     )
     return saved, offset, header
+
+
+def normalize(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``centered * scale + offset`` per channel, written into ``centered``: the output of
+    :func:`syncbn._kernels.generic.normalize` where it reuses the shifted copy (float32 and
+    float64, a non-empty batch), as one ``addcmul`` where that makes two passes (on the
+    CPU a broadcasting ``addcmul`` is several times slower than the two; on a GPU it is one
+    launch and one read and write of the data)."""
+    ndim = centered.dim()
+    view = generic.channel_view
+    return torch.addcmul(view(offset, ndim), centered, view(scale, ndim), out=centered)
 
 
 @triton.jit
