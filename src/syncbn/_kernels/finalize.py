@@ -25,6 +25,7 @@ interpreter (``TRITON_INTERPRET=1``), where it computes the same function.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -36,7 +37,7 @@ from syncbn._kernels import generic
 
 __all__ = ["applies", "finalize_forward", "normalize"]
 
-#: channels per program
+#: channels per block of the kernel's loop (one program does them all)
 _BLOCK = 256
 
 
@@ -105,31 +106,34 @@ def finalize_forward(
     counted = num_batches_tracked is not None and update_buffers
     world_size, fingerprint = checks
     unused = buffer  # a pointer the kernel never reads (its flag is off)
-    _finalize_forward_kernel[(1,)](
-        buffer,
-        shift,
-        unused if weight is None else weight,
-        unused if bias is None else bias,
-        running_mean if running else unused,
-        running_var if running else unused,
-        num_batches_tracked if num_batches_tracked is not None else unused,
-        unused if counted_update is None else counted_update,
-        _epsilon(eps, buffer.device),
-        saved,
-        offset,
-        header,
-        num_channels,
-        world_size,
-        fingerprint,
-        COUNT_SLOT=_protocol.COUNT_SLOT,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        UPDATE_RUNNING=running,
-        WIDE_RUNNING=running_mean is not None and running_mean.dtype == torch.float64,
-        COUNT_BATCH=counted,
-        CUMULATIVE=counted_update is None,
-        BLOCK=_BLOCK,
-    )
+    # Triton launches on the current device, which need not be the tensors' (a model on
+    # cuda:1 without torch.cuda.set_device(1); torch's own ops guard the device themselves)
+    with torch.cuda.device(buffer.device) if buffer.is_cuda else contextlib.nullcontext():
+        _finalize_forward_kernel[(1,)](
+            buffer,
+            shift,
+            unused if weight is None else weight,
+            unused if bias is None else bias,
+            running_mean if running else unused,
+            running_var if running else unused,
+            num_batches_tracked if num_batches_tracked is not None else unused,
+            unused if counted_update is None else counted_update,
+            _epsilon(eps, buffer.device),
+            saved,
+            offset,
+            header,
+            num_channels,
+            world_size,
+            fingerprint,
+            COUNT_SLOT=_protocol.COUNT_SLOT,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            UPDATE_RUNNING=running,
+            WIDE_RUNNING=running_mean is not None and running_mean.dtype == torch.float64,
+            COUNT_BATCH=counted,
+            CUMULATIVE=counted_update is None,
+            BLOCK=_BLOCK,
+        )
     return saved, offset, header
 
 
