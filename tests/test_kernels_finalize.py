@@ -1,12 +1,13 @@
-"""syncbn._kernels.finalize: one Triton kernel for a deferred forward's per-channel maths.
+"""syncbn._kernels.finalize: one Triton kernel for what a deferred forward runs after its
+collective (the header's checks, the per-channel maths), and a one-pass output.
 
-It must compute what the generic maths compute (syncbn._stats and the generic kernels): the
-saved statistics, the output's offset, the running statistics and the batch counter, in
-every dtype, with uneven and empty ranks, a cumulative average, and a checkpointed
-recomputation that moves nothing. Triton comes with torch's CUDA builds, not with CI's CPU
-build: CI runs this file in the environment of the optional integrations (``.ci/ecosystem``,
-torch's CUDA build, no GPU), where the kernel runs on CPU tensors through Triton's
-interpreter; on a GPU machine it runs compiled, on CUDA tensors.
+It must compute what the generic code computes: the saved statistics, the output, the
+running statistics and the batch counter, and the header values of the deferred check, in
+every dtype, with uneven and empty ranks, a cumulative average, failing checks that move
+nothing, and a checkpointed recomputation that moves nothing. Triton comes with torch's
+CUDA builds, not with CI's CPU build: CI runs this file in the environment of the optional
+integrations (``.ci/ecosystem``, torch's CUDA build, no GPU), where the kernel runs on CPU
+tensors through Triton's interpreter; on a GPU machine it runs compiled, on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _steps(
     fused: bool, dtype: torch.dtype, param_dtype: torch.dtype | None, case: dict[str, Any]
 ) -> Any:
     """Two deferred training calls of one process (the one-process reducer) and what they
-    leave: outputs, gradients, running statistics, batch counter, or the error raised."""
+    leave: outputs, gradients, running statistics, batch counter; or the error raised and
+    the buffers that the failing calls left."""
     torch.manual_seed(0)
     n, momentum, running = case["n"], case["momentum"], case["running"]
     x = (torch.randn(n, 8, 3, 3, dtype=torch.float64) * 3 + 5).to(DEVICE, dtype)
