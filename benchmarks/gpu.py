@@ -10,8 +10,8 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
   and host synchronizations per call (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
   syncbn runs three times: on its generic kernels, on ``syncbn._kernels.cuda`` (torch's fused
   SyncBatchNorm element kernels, float32 rows only), and with ``syncbn._kernels.finalize``
-  (a deferred forward's checks and per-channel maths in one Triton kernel), to decide what the CUDA
-  path keeps.
+  (a deferred call's checks, per-channel maths and packing in Triton kernels), to decide
+  what the CUDA path keeps.
 - ``step``: a torchvision resnet50 training step (batch 32, bfloat16 autocast,
   channels_last, SGD), eager and captured whole in one CUDA graph, with host syncs per step;
   syncbn with and without ``syncbn._kernels.finalize``.
@@ -191,7 +191,7 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
 
             # "syncbn-fused": the same layer on syncbn._kernels.cuda (float32 rows; lower
             # precision keeps the generic passes); "syncbn-finalize": the same layer with
-            # syncbn._kernels.finalize (deferred forwards: one Triton kernel for the
+            # syncbn._kernels.finalize (deferred calls: Triton kernels for the
             # per-channel maths); candidates until measured faster
             _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
             _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
@@ -243,7 +243,7 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     for kind in ("cudnn", "torch-sync", "syncbn", "syncbn-finalize"):
         model = _on_gpu(copy.deepcopy(base), kind, group)
         step = _training_step(model, model, x, target)
-        # "syncbn-finalize": deferred forwards with syncbn._kernels.finalize (a candidate)
+        # "syncbn-finalize": deferred calls with syncbn._kernels.finalize (a candidate)
         _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
         eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
         graphed: dict[str, Any]

@@ -102,7 +102,7 @@ def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -
     ):
         layout = "cl" if channels_last else "nchw"
         name = f"{str(dtype).removeprefix('torch.')}-{layout}-{mode}{'-fused' * fused}"
-        # fused: syncbn._kernels.finalize (one Triton kernel after the forward collective)
+        # fused: syncbn._kernels.finalize (Triton kernels around the collectives)
         try:
             _kernels.use_fused_finalize(device.type, enabled=fused)
             _profile(device, dtype, channels_last, mode, out / name, say)

@@ -1,5 +1,6 @@
 """syncbn._kernels.finalize: one Triton kernel for what a deferred forward runs after its
-collective (the header's checks, the per-channel maths), and a one-pass output.
+collective (the header's checks, the per-channel maths), a one-pass output, and two for the
+backward's packing and corrections.
 
 It must compute what the generic code computes: the saved statistics, the output, the
 running statistics and the batch counter, and the header values of the deferred check, in
@@ -208,11 +209,12 @@ def test_a_checkpointed_recomputation_moves_the_running_statistics_once(
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
-def test_a_deferred_forward_runs_8_torch_kernels_and_the_fused_one() -> None:
-    """The torch kernels of a deferred forward with the fused kernel on: 8 (and the Triton
-    kernel; on a GPU also the header's copy to the host, as before), against the 33 of
-    tests/test_op_budget.py's generic count; the backward is unchanged. On a GPU each is a
-    launch (the first GPU run: host-bound, ~2.2 ms per call)."""
+def test_a_deferred_call_runs_11_torch_kernels_and_3_fused_ones() -> None:
+    """The torch kernels of a deferred call with the fused kernels on: forward 8 (and the
+    Triton kernel), backward 3 (and the packing and corrections kernels), against the 33
+    and 10 of tests/test_op_budget.py's generic count; on a GPU each direction also copies
+    its header to the host, as before. On a GPU each is a launch (the first GPU run:
+    host-bound, ~2.2 ms per call)."""
 
     class TorchKernels(_Ops):
         """Leaves out what Triton's interpreter runs on the CPU for the kernel itself."""
@@ -233,14 +235,21 @@ def test_a_deferred_forward_runs_8_torch_kernels_and_the_fused_one() -> None:
     options = TrainOptions(LocalReducer(), LayerInfo("budget", 8, check_mode="deferred"))
 
     buffers = (running_mean, running_var, num_batches_tracked)
+    dy = torch.randn_like(x)
     with fused_finalize():
-        train_call(x, weight, bias, options, *buffers)  # first-call caches filled
+        y = train_call(x, weight, bias, options, *buffers)  # first-call caches filled
+        torch.autograd.grad(y, (x, weight, bias), dy)
         with TorchKernels() as forward:
-            train_call(x, weight, bias, options, *buffers)
+            y = train_call(x, weight, bias, options, *buffers)
+        with TorchKernels() as backward:
+            torch.autograd.grad(y, (x, weight, bias), dy)
     # on CUDA the deferred check's copy of the header to pinned host memory is one more
     # (with the generic maths too)
-    assert len(forward.kernels) <= 8 + (DEVICE == "cuda"), forward.kernels
-    assert "native_batch_norm_backward" in forward.kernels  # the local sums still run
+    copy = int(DEVICE == "cuda")
+    assert len(forward.kernels) <= 8 + copy, forward.kernels
+    assert len(backward.kernels) <= 3 + copy, backward.kernels
+    for kernels in (forward.kernels, backward.kernels):  # the local sums still run
+        assert "native_batch_norm_backward" in kernels, kernels
 
 
 def _fused(rank: int, world_size: int, scenario: Any, *args: Any) -> Any:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
 from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for
-from syncbn._kernels.generic import output_offset
+from syncbn._kernels.generic import corrected_input_grad, output_offset
 
 __all__ = [
     "HostDivisors",
@@ -715,8 +715,10 @@ def backward_train(
     need_input, need_weight, need_bias = needs_grad
     mean, var = saved[0], saved[1]
     kernels = kernels_for(input.device)
+    fused = None
     if need_input:  # before the collective, as in forward (see resolve_mode)
-        resolve_mode(options, saved.device)
+        if resolve_mode(options, saved.device) == "deferred" and valid is None:
+            fused = fused_finalize_for(saved.device)  # a candidate, off by default
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if create_graph:
             raise double_backward_error()
@@ -724,9 +726,17 @@ def backward_train(
             grad_output = kernels.zero_padded(grad_output, valid)
         sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
         if need_input:
-            buffer = _protocol.pack_backward(sum_dy, sum_dy_xhat, options.layer.fingerprint)
+            pack = _protocol.pack_backward if fused is None else fused.pack_backward
+            buffer = pack(sum_dy, sum_dy_xhat, options.layer.fingerprint)
     grad_input = None
-    if need_input:
+    if need_input and fused is not None:
+        # one kernel for the header values and the corrections (the generic code runs three)
+        buffer = options.reducer.all_reduce(buffer, "backward")
+        corrections, header = fused.finalize_backward(buffer, saved)
+        check = options.header_check("backward")
+        _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
+        grad_input = corrected_input_grad(grad_output, input, saved, options.eps, corrections)
+    elif need_input:
         totals = synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(
             grad_output, input, saved, options.eps, totals, count, valid

@@ -14,9 +14,9 @@ provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused Syn
 element kernels) is a candidate, which :func:`use_device_kernels` selects, until a GPU run
 shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a GPU").
 
-After its collective a deferred forward (the accelerators' mode) runs 24 tiny ops (the
-checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in one Triton
-kernel, another candidate, which :func:`use_fused_finalize` selects.
+Around its collectives a deferred call (the accelerators' mode) runs ~30 tiny ops (the
+checks, the per-channel maths, the packing); :mod:`syncbn._kernels.finalize` does them in
+three Triton kernels, another candidate, which :func:`use_fused_finalize` selects.
 """
 
 from __future__ import annotations
@@ -113,13 +113,13 @@ def kernels_for(device: torch.device) -> Kernels:
     return _BY_DEVICE_TYPE.get(device.type, generic)  # type: ignore[return-value]
 
 
-#: device types whose deferred forwards use :mod:`syncbn._kernels.finalize` (a candidate)
+#: device types whose deferred calls use :mod:`syncbn._kernels.finalize` (a candidate)
 _FUSED_FINALIZE: set[str] = set()
 
 
 def use_fused_finalize(device_type: str, enabled: bool = True) -> None:
-    """Use (or stop using) :mod:`syncbn._kernels.finalize`, one Triton kernel for a deferred
-    forward's checks and per-channel maths, for ``device_type`` in this process.
+    """Use (or stop using) :mod:`syncbn._kernels.finalize`, Triton kernels for a deferred
+    call's checks, per-channel maths and packing, for ``device_type`` in this process.
 
     For the tests (``"cpu"``, under Triton's interpreter) and the GPU benchmarks that
     compare it with the generic maths.

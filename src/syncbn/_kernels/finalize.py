@@ -1,5 +1,5 @@
-"""A synchronized forward's checks and per-channel maths after its collective, as one
-Triton kernel.
+"""Triton kernels for the small per-channel work of a deferred synchronized call: what its
+forward runs after the collective, and what its backward runs around its collective.
 
 On a GPU an eager training call is bound by the host: the first GPU run (H100, 2026-11-28,
 README "On a GPU") measured ~2.2 ms of host time per forward+backward call of one layer,
@@ -11,22 +11,27 @@ the divisors of the global count, mean and variances, scale, the saved statistic
 output's offset, the running statistics and the batch counter.
 :func:`finalize_forward` does all of them in one kernel, with the same float64 maths (the
 same formulas and rounding steps as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
-:func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`).
+:func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`),
+and :func:`normalize` makes the output pass one ``addcmul`` instead of the generic
+kernels' two. In the backward, :func:`pack_backward` packs the local sums in one kernel
+(CUDA's ``torch.cat`` of mixed dtypes makes four) and :func:`finalize_backward` reads the
+header and computes the input gradient's corrections in one (the generic code runs
+three). A call then runs 11 torch kernels and these 3 instead of 43.
 
-With it the output pass is :func:`normalize`: one ``addcmul`` instead of the generic
-kernels' two passes. Only deferred, unmasked calls take it (a masked call's backward needs
-the mean in float64, and an immediate call's count is a number on the host). It is a
-candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns it on for a device
-type, until a GPU run measures it faster (``benchmarks/gpu.py``, variant
-``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
-syncbn imports it only then; on the CPU the tests run the kernel through Triton's
-interpreter (``TRITON_INTERPRET=1``), where it computes the same function.
+Only deferred, unmasked calls take them (a masked call's backward needs the mean in
+float64, and an immediate call's count is a number on the host). They are a candidate, off
+unless :func:`syncbn._kernels.use_fused_finalize` turns them on for a device type, until a
+GPU run measures them faster (``benchmarks/gpu.py``, variant ``syncbn-finalize``). This
+module imports Triton (which torch's CUDA builds install), so syncbn imports it only then;
+on the CPU the tests run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``),
+where they compute the same functions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -35,7 +40,7 @@ import triton.language as tl
 from syncbn import _protocol
 from syncbn._kernels import generic
 
-__all__ = ["applies", "finalize_forward", "normalize"]
+__all__ = ["applies", "finalize_backward", "finalize_forward", "normalize", "pack_backward"]
 
 #: channels per block of the kernel's loop (one program does them all)
 _BLOCK = 256
@@ -106,9 +111,7 @@ def finalize_forward(
     counted = num_batches_tracked is not None and update_buffers
     world_size, fingerprint = checks
     unused = buffer  # a pointer the kernel never reads (its flag is off)
-    # Triton launches on the current device, which need not be the tensors' (a model on
-    # cuda:1 without torch.cuda.set_device(1); torch's own ops guard the device themselves)
-    with torch.cuda.device(buffer.device) if buffer.is_cuda else contextlib.nullcontext():
+    with _on_device_of(buffer):
         _finalize_forward_kernel[(1,)](
             buffer,
             shift,
@@ -146,6 +149,46 @@ def normalize(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     ndim = centered.dim()
     view = generic.channel_view
     return torch.addcmul(view(offset, ndim), centered, view(scale, ndim), out=centered)
+
+
+def pack_backward(
+    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int
+) -> torch.Tensor:
+    """:func:`syncbn._protocol.pack_backward` in one kernel (CUDA's ``torch.cat`` copies
+    each input of another dtype on its own: four launches)."""
+    num_channels = sum_dy.numel()
+    buffer = torch.empty(
+        _protocol.backward_size(num_channels), dtype=torch.float64, device=sum_dy.device
+    )
+    with _on_device_of(buffer):
+        _pack_backward_kernel[(1,)](
+            sum_dy, sum_dy_xhat, buffer, num_channels, fingerprint, BLOCK=_BLOCK
+        )
+    return buffer
+
+
+def finalize_backward(
+    buffer: torch.Tensor, saved: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corrections of :func:`syncbn._kernels.generic.input_grad` from an all-reduced
+    backward buffer, ``(2, C)`` in ``saved``'s dtype (the global ``sum(dy)`` and
+    ``sum(dy * xhat)`` converted to it, times ``saved``'s last row), and the buffer's
+    :func:`syncbn._protocol.header_values` for :func:`syncbn._protocol.defer_check`: one
+    kernel where the generic code runs three."""
+    num_channels = saved.shape[1]
+    corrections = torch.empty(2, num_channels, dtype=saved.dtype, device=buffer.device)
+    header = torch.empty(4, dtype=buffer.dtype, device=buffer.device)
+    with _on_device_of(buffer):
+        _finalize_backward_kernel[(1,)](
+            buffer, saved, corrections, header, num_channels, BLOCK=_BLOCK
+        )
+    return corrections, header
+
+
+def _on_device_of(tensor: torch.Tensor) -> Any:
+    """Triton launches on the current device, which need not be the tensors' (a model on
+    cuda:1 without ``torch.cuda.set_device(1)``; torch's own ops guard the device)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -278,3 +321,43 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
             tl.store(running_var + channel, moved.to(running_type), mask=inside)
     if COUNT_BATCH:
         tl.store(num_batches_tracked, tl.load(num_batches_tracked) + passes.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_channels", "fingerprint"])
+def _pack_backward_kernel(
+    sum_dy, sum_dy_xhat, buffer, num_channels, fingerprint, BLOCK: tl.constexpr
+):  # type: ignore[no-untyped-def]
+    # syncbn._protocol.pack_backward: [error (0), f, f**2, sum(dy) (C), sum(dy * xhat) (C), f]
+    f = fingerprint.to(tl.float64)
+    tl.store(buffer, 0.0)
+    tl.store(buffer + 1, f)
+    tl.store(buffer + 2, f * f)
+    tl.store(buffer + 3 + 2 * num_channels, f)
+    for first in range(0, num_channels, BLOCK):
+        channel = first + tl.arange(0, BLOCK)
+        inside = channel < num_channels
+        values = tl.load(sum_dy + channel, mask=inside, other=0.0).to(tl.float64)
+        tl.store(buffer + 3 + channel, values, mask=inside)
+        values = tl.load(sum_dy_xhat + channel, mask=inside, other=0.0).to(tl.float64)
+        tl.store(buffer + 3 + num_channels + channel, values, mask=inside)
+
+
+@triton.jit(do_not_specialize=["num_channels"])
+def _finalize_backward_kernel(
+    buffer, saved, corrections, header, num_channels, BLOCK: tl.constexpr
+):  # type: ignore[no-untyped-def]
+    # syncbn._protocol.header_values of a backward buffer: error, fingerprint sums, trailer
+    tl.store(header, tl.load(buffer))
+    tl.store(header + 1, tl.load(buffer + 1))
+    tl.store(header + 2, tl.load(buffer + 2))
+    tl.store(header + 3, tl.load(buffer + 3 + 2 * num_channels))
+    # syncbn._kernels.generic.input_grad: totals.to(scale.dtype).mul_(correction_scale)
+    stat_type = saved.dtype.element_ty
+    for first in range(0, num_channels, BLOCK):
+        channel = first + tl.arange(0, BLOCK)
+        inside = channel < num_channels
+        correction_scale = tl.load(saved + 3 * num_channels + channel, mask=inside, other=0.0)
+        for row in tl.static_range(2):
+            total = tl.load(buffer + 3 + row * num_channels + channel, mask=inside, other=0.0)
+            value = total.to(stat_type) * correction_scale
+            tl.store(corrections + row * num_channels + channel, value, mask=inside)

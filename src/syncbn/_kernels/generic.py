@@ -23,6 +23,7 @@ __all__ = [
     "backward_reduce",
     "channel_view",
     "constants",
+    "corrected_input_grad",
     "dense_format",
     "first_valid_sample",
     "input_grad",
@@ -373,8 +374,24 @@ def input_grad(
             to overwrite (backward's zeroed copy of the output gradient), and ``input``
             is zero there too (:func:`syncbn._autograd.backward_input`).
     """
-    mean, var, scale, correction_scale = saved.unbind()
-    correction_bias, correction_weight = totals.to(scale.dtype).mul_(correction_scale)
+    correction_scale = saved[3]
+    corrections = totals.to(correction_scale.dtype).mul_(correction_scale)
+    return corrected_input_grad(grad_output, input, saved, eps, corrections, valid)
+
+
+def corrected_input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    eps: float,
+    corrections: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`input_grad` given its corrections: ``(2, C)`` in the statistics dtype, the
+    global ``sum(dy)`` and ``sum(dy * xhat)`` times ``saved``'s last row (the means that
+    the gradient subtracts, times :math:`-\\gamma\\sigma^{-1}`)."""
+    mean, var, scale, _ = saved.unbind()
+    correction_bias, correction_weight = corrections
     ndim = input.dim()
     if valid is not None and input.dtype == grad_output.dtype == scale.dtype:
         # batch_norm(x, w, b, mean, var) is x * a + (b - a * mean) with a = w / sqrt(var + eps)
