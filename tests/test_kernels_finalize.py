@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import os
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,10 +42,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
 
+#: the module's functions that syncbn._autograd calls, counted by :func:`fused_finalize`
+FUSED_CALLS = ("finalize_forward", "pack_backward", "finalize_backward")
+
+
 @contextlib.contextmanager
-def fused_finalize() -> Iterator[None]:
-    """The fused kernel on for :data:`DEVICE` (on the CPU through Triton's interpreter,
-    which Triton reads when the kernel is defined: at the module's first import)."""
+def fused_finalize() -> Iterator[Counter[str]]:
+    """The fused kernels on for :data:`DEVICE` (on the CPU through Triton's interpreter,
+    which Triton reads when a kernel is defined: at the module's first import); yields how
+    many times each of :data:`FUSED_CALLS` ran, so that a test knows it took that path."""
     interpret = DEVICE == "cpu" and "TRITON_INTERPRET" not in os.environ
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -53,9 +59,25 @@ def fused_finalize() -> Iterator[None]:
     finally:
         if interpret:
             del os.environ["TRITON_INTERPRET"]
+    from syncbn._kernels import finalize
+
+    calls: Counter[str] = Counter()
+    originals = {name: getattr(finalize, name) for name in FUSED_CALLS}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in FUSED_CALLS:
+        setattr(finalize, name, counted(name))
     try:
-        yield
+        yield calls
     finally:
+        for name, function in originals.items():
+            setattr(finalize, name, function)
         _kernels.use_fused_finalize(DEVICE, enabled=False)
 
 
@@ -82,7 +104,7 @@ def _steps(
     options = TrainOptions(LocalReducer(), layer, eps=1e-5, momentum=momentum)
     leaves = [t.requires_grad_() for t in (x, weight, bias) if t is not None]
     results: list[torch.Tensor] = []
-    with fused_finalize() if fused else contextlib.nullcontext():
+    with fused_finalize() if fused else contextlib.nullcontext() as calls:
         for _ in range(2):
             try:
                 y = train_call(
@@ -92,6 +114,8 @@ def _steps(
                 buffers = (running_mean, running_var, num_batches_tracked)
                 return [str(error)] + [b.cpu() for b in buffers if b is not None]
             results += [y, *torch.autograd.grad(y, leaves, dy)]
+            if calls is not None:  # the fused path ran, forward and backward
+                assert calls["finalize_forward"] == calls["finalize_backward"] > 0, calls
     buffers = (running_mean, running_var, num_batches_tracked)
     return [t.detach().cpu() for t in results + [b for b in buffers if b is not None]]
 
@@ -144,8 +168,9 @@ def test_one_process_equals_the_generic_maths(dtypes: tuple[torch.dtype, Any]) -
 
 
 def _fused_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
-    with fused_finalize():
-        return run_rank(rank, world_size, case)  # type: ignore[no-any-return]
+    with fused_finalize() as calls:
+        result = run_rank(rank, world_size, case)
+    return result | {"fused_calls": dict(calls)}  # type: ignore[no-any-return]
 
 
 #: the gold cases of tests/test_batchnorm.py that deferred calls take, and more dtypes
@@ -172,7 +197,10 @@ def test_gold_on_ranks_equals_batchnorm_on_the_global_batch(
     sizes = SIZES[pool.world_size][sizes_index]
     extra = {"check_mode": "deferred", "device": DEVICE}
     case = dataclasses.replace(GOLD[name], sizes=sizes, extra=extra)
-    compare(case, pool.run(_fused_rank, case), reference(case))
+    per_rank = pool.run(_fused_rank, case)
+    compare(case, per_rank, reference(case))
+    for result in per_rank:  # every call took the fused path, forward and backward
+        assert result["fused_calls"] == dict.fromkeys(FUSED_CALLS, case.steps), result
 
 
 def _checkpointed(rank: int, world_size: int, use_reentrant: bool) -> dict[str, torch.Tensor]:

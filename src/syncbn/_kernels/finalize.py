@@ -53,14 +53,15 @@ def applies(
     *per_channel: torch.Tensor | None,
 ) -> bool:
     """Whether :func:`finalize_forward` can take a call: both running statistics or neither
-    (of one dtype), every per-channel tensor contiguous."""
+    (of one dtype), every per-channel tensor contiguous (the shift may be strided: a view
+    of the input's first sample for a float64 input)."""
     if (running_mean is None) != (running_var is None):
         return False
     if running_mean is not None and running_var is not None:
         if running_mean.dtype != running_var.dtype:
             return False
-    tensors = (shift, running_mean, running_var, *per_channel)
-    return all(t is None or t.is_contiguous() for t in tensors)
+    tensors = (running_mean, running_var, *per_channel)
+    return shift.dim() == 1 and all(t is None or t.is_contiguous() for t in tensors)
 
 
 @functools.lru_cache(maxsize=64)
@@ -89,7 +90,7 @@ def finalize_forward(
 
     Args:
         buffer: the all-reduced forward buffer (float64, :mod:`syncbn._protocol`).
-        shift: ``(C,)`` float64, the local moments' shift.
+        shift: ``(C,)`` float64, the local moments' shift (strided, or not).
         counted_update: :func:`syncbn._autograd.counted_update`, ``[1, momentum]`` in the
             running statistics' dtype; ``None`` for a cumulative average (``momentum=None``
             with a batch counter), whose factor is ``1 / (num_batches_tracked + 1)``.
@@ -126,6 +127,7 @@ def finalize_forward(
             offset,
             header,
             num_channels,
+            shift.stride(0),
             world_size,
             fingerprint,
             COUNT_SLOT=_protocol.COUNT_SLOT,
@@ -202,7 +204,7 @@ def _moved(start, end, factor, WIDE: tl.constexpr):  # type: ignore[no-untyped-d
     return tl.where(tl.abs(factor) < 0.5, start + factor * step, end - step * (1.0 - factor))
 
 
-@triton.jit(do_not_specialize=["num_channels", "world_size", "fingerprint"])
+@triton.jit(do_not_specialize=["num_channels", "shift_stride", "world_size", "fingerprint"])
 def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
     buffer,
     shift,
@@ -217,6 +219,7 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
     offset,
     header,
     num_channels,
+    shift_stride,
     world_size,
     fingerprint,
     COUNT_SLOT: tl.constexpr,
@@ -297,7 +300,8 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
         if HAS_WEIGHT:
             scale = scale * tl.load(weight + channel, mask=inside, other=1.0).to(tl.float64)
         # syncbn._kernels.generic.output_offset
-        shifted_offset = (tl.load(shift + channel, mask=inside, other=0.0) - mean) * scale
+        local_shift = tl.load(shift + channel * shift_stride, mask=inside, other=0.0)
+        shifted_offset = (local_shift.to(tl.float64) - mean) * scale
         if HAS_BIAS:
             shifted_offset += tl.load(bias + channel, mask=inside, other=0.0).to(tl.float64)
         stat_type = saved.dtype.element_ty
