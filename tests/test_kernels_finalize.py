@@ -203,17 +203,17 @@ def test_gold_on_ranks_equals_batchnorm_on_the_global_batch(
         assert result["fused_calls"] == dict.fromkeys(FUSED_CALLS, case.steps), result
 
 
-def _checkpointed(rank: int, world_size: int, use_reentrant: bool) -> dict[str, torch.Tensor]:
+def _checkpointed(rank: int, world_size: int, use_reentrant: bool) -> tuple[Any, Any]:
     torch.manual_seed(0)
     layer = syncbn.SyncBatchNorm(4).to(DEVICE)
     layer.check_mode = "deferred"
-    with fused_finalize():
+    with fused_finalize() as calls:
         for step in range(3):
             x = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(rank + 10 * step))
             x = x.to(DEVICE).requires_grad_()
             y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
             y.square().sum().backward()
-    return {k: v.detach().cpu() for k, v in layer.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in layer.state_dict().items()}, dict(calls)
 
 
 def _plain(rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -231,7 +231,8 @@ def test_a_checkpointed_recomputation_moves_the_running_statistics_once(
     pool2: WorkerPool, use_reentrant: bool
 ) -> None:
     expected = pool2.run(_plain)[0]
-    state = pool2.run(_checkpointed, use_reentrant)[0]
+    state, calls = pool2.run(_checkpointed, use_reentrant)[0]
+    assert calls["finalize_forward"] == 6  # 3 forwards and their 3 recomputations
     assert state["num_batches_tracked"].item() == 3
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
@@ -280,9 +281,10 @@ def test_a_deferred_call_runs_11_torch_kernels_and_3_fused_ones() -> None:
         assert "native_batch_norm_backward" in kernels, kernels
 
 
-def _fused(rank: int, world_size: int, scenario: Any, *args: Any) -> Any:
-    with fused_finalize():
-        return scenario(rank, world_size, *args)
+def _fused(rank: int, world_size: int, scenario: Any, *args: Any) -> tuple[Any, Any]:
+    """``scenario``'s result with the fused kernels on, and how often they ran."""
+    with fused_finalize() as calls:
+        return scenario(rank, world_size, *args), dict(calls)
 
 
 #: tests/test_faults.py's deferred-check scenarios, whose tensors are on the CPU
@@ -298,7 +300,8 @@ def test_a_failed_check_moves_nothing_and_raises_at_the_next_call(
 ) -> None:
     """Ranks calling different layers, or a global count of one: the fused kernel's flags
     keep the running statistics and the batch counter, and the next call raises."""
-    for result in pool2.run(_fused, _deferred_problems, problem):
+    for result, calls in pool2.run(_fused, _deferred_problems, problem):
+        assert calls["finalize_forward"] >= 3, calls  # the good step, the failing call
         assert result["bad"] == ("ok", "")
         assert not any(result["moved"].values()), result["moved"]
         kind, message = result["later"]
@@ -310,8 +313,9 @@ def test_a_failed_check_moves_nothing_and_raises_at_the_next_call(
 @_CPU_SCENARIOS
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_training_recovers_after_a_caught_failure(pool2: WorkerPool, where: str) -> None:
-    for rank, ended in enumerate(
+    for rank, (ended, calls) in enumerate(
         pool2.run(_fused, _caught_failure_then_training, where, timeout=60.0)
     ):
+        assert calls["finalize_forward"] > 0 and calls["finalize_backward"] > 0, calls
         assert ended[0] == "ok" and ended[2:] == ["ok", "ok"], (rank, ended)
         assert ended[1] != "ok", (rank, ended)
