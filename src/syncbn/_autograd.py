@@ -562,6 +562,11 @@ def forward_train(
     valid = None
     # outside join_on_error: see resolve_mode
     mode = resolve_mode(options, device)
+    fused = None  # syncbn._kernels.finalize, a candidate: off by default
+    if mode == "deferred" and mask is None:
+        fused = fused_finalize_for(device)
+        if fused is not None and not fused.applies(running_mean, running_var, weight, bias):
+            fused = None
     with join_on_error(options, "forward", device):
         # nothing reads the input before this check: an input that is not even a tensor
         # joins the collective with the error flag too
@@ -574,12 +579,17 @@ def forward_train(
         kernels = kernels_for(input.device)
         if mask is not None:
             valid = valid_positions(mask, input)
-        moments = kernels.local_moments(input, valid)
-        buffer = _protocol.pack_forward(
-            moments.local_count, moments.total, moments.square_total, options.layer.fingerprint
-        )
-    fused = fused_finalize_for(buffer.device) if mode == "deferred" and valid is None else None
-    if fused is not None and fused.applies(moments.shift, running_mean, running_var, weight, bias):
+        if fused is not None:
+            moments, buffer = fused.pack_forward(input, options.layer.fingerprint)
+        else:
+            moments = kernels.local_moments(input, valid)
+            buffer = _protocol.pack_forward(
+                moments.local_count,
+                moments.total,
+                moments.square_total,
+                options.layer.fingerprint,
+            )
+    if fused is not None:
         buffers = (running_mean, running_var, num_batches_tracked)
         return _forward_on_fused_kernel(
             fused, buffer, input, moments, weight, bias, *buffers, options

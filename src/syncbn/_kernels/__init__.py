@@ -14,9 +14,9 @@ provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused Syn
 element kernels) is a candidate, which :func:`use_device_kernels` selects, until a GPU run
 shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a GPU").
 
-Around its collectives a deferred call (the accelerators' mode) runs ~30 tiny ops (the
-checks, the per-channel maths, the packing); :mod:`syncbn._kernels.finalize` does them in
-three Triton kernels, another candidate, which :func:`use_fused_finalize` selects.
+Around its collectives a deferred call (the accelerators' mode) runs ~35 tiny ops (the
+packing, the checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in
+four Triton kernels, another candidate, which :func:`use_fused_finalize` selects.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Triton kernels for the small per-channel work of a deferred synchronized call: what its
-forward runs after the collective, and what its backward runs around its collective.
+"""Triton kernels for the small per-channel work of a deferred synchronized call around its
+collectives: packing the local sums, checking the all-reduced header, and the per-channel
+maths after it, in forward and in backward.
 
 On a GPU an eager training call is bound by the host: the first GPU run (H100, 2026-11-28,
 README "On a GPU") measured ~2.2 ms of host time per forward+backward call of one layer,
@@ -13,10 +14,13 @@ output's offset, the running statistics and the batch counter.
 same formulas and rounding steps as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
 :func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`),
 and :func:`normalize` makes the output pass one ``addcmul`` instead of the generic
-kernels' two. In the backward, :func:`pack_backward` packs the local sums in one kernel
-(CUDA's ``torch.cat`` of mixed dtypes makes four) and :func:`finalize_backward` reads the
-header and computes the input gradient's corrections in one (the generic code runs
-three). A call then runs 11 torch kernels and these 3 instead of 43.
+kernels' two. Before the collective, :func:`pack_forward` adds the shift back to the local
+sums and packs the buffer in one kernel (the generic code runs five). In the backward,
+:func:`pack_backward` packs the local sums in one kernel (CUDA's ``torch.cat`` of mixed
+dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
+gradient's corrections in one (the generic code runs three). A call then runs 6 torch
+kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
+the sums, the correction pass and the gradient in backward.
 
 Only deferred, unmasked calls take them (a masked call's backward needs the mean in
 float64, and an immediate call's count is a number on the host). They are a candidate, off
@@ -39,29 +43,35 @@ import triton.language as tl
 
 from syncbn import _protocol
 from syncbn._kernels import generic
+from syncbn._kernels.generic import LocalMoments
 
-__all__ = ["applies", "finalize_backward", "finalize_forward", "normalize", "pack_backward"]
+__all__ = [
+    "applies",
+    "finalize_backward",
+    "finalize_forward",
+    "normalize",
+    "pack_backward",
+    "pack_forward",
+]
 
 #: channels per block of the kernel's loop (one program does them all)
 _BLOCK = 256
 
 
 def applies(
-    shift: torch.Tensor,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     *per_channel: torch.Tensor | None,
 ) -> bool:
-    """Whether :func:`finalize_forward` can take a call: both running statistics or neither
-    (of one dtype), every per-channel tensor contiguous (the shift may be strided: a view
-    of the input's first sample for a float64 input)."""
+    """Whether these kernels can take a call with these parameters and buffers: both
+    running statistics or neither (of one dtype), every per-channel tensor contiguous."""
     if (running_mean is None) != (running_var is None):
         return False
     if running_mean is not None and running_var is not None:
         if running_mean.dtype != running_var.dtype:
             return False
     tensors = (running_mean, running_var, *per_channel)
-    return shift.dim() == 1 and all(t is None or t.is_contiguous() for t in tensors)
+    return all(t is None or t.is_contiguous() for t in tensors)
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,6 +161,43 @@ def normalize(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     ndim = centered.dim()
     view = generic.channel_view
     return torch.addcmul(view(offset, ndim), centered, view(scale, ndim), out=centered)
+
+
+def pack_forward(input: torch.Tensor, fingerprint: int) -> tuple[LocalMoments, torch.Tensor]:
+    """:func:`syncbn._kernels.generic.local_moments` and :func:`syncbn._protocol.pack_forward`
+    of an unmasked batch, with the shift added back and the buffer packed in one kernel
+    (the generic code runs five there).
+
+    Returns:
+        The moments, whose ``total`` and ``square_total`` are views into the buffer (which
+        the collective then sums in place) and whose ``shift`` is in the statistics dtype
+        (a strided view of the input where it can be), and the buffer.
+    """
+    num_channels = input.shape[1]
+    count = input.numel() // num_channels
+    if count == 0:  # nothing to sum: the generic code's zeros
+        moments = generic.local_moments(input)
+        buffer = _protocol.pack_forward(0, moments.total, moments.square_total, fingerprint)
+        return moments, buffer
+    shifted_sum, shifted_square_sum, shift, centered = generic.shifted_sums(input)
+    buffer = torch.empty(
+        _protocol.forward_size(num_channels), dtype=torch.float64, device=shifted_sum.device
+    )
+    with _on_device_of(buffer):
+        _pack_forward_kernel[(1,)](
+            shifted_sum,
+            shifted_square_sum,
+            shift,
+            buffer,
+            num_channels,
+            shift.stride(0),
+            count,
+            fingerprint,
+            COUNT_SLOT=_protocol.COUNT_SLOT,
+            BLOCK=_BLOCK,
+        )
+    total, square_total = _protocol.forward_sums(buffer).unbind()
+    return LocalMoments(total, square_total, shift, centered, count), buffer
 
 
 def pack_backward(
@@ -365,3 +412,38 @@ def _finalize_backward_kernel(
             total = tl.load(buffer + 3 + row * num_channels + channel, mask=inside, other=0.0)
             value = total.to(stat_type) * correction_scale
             tl.store(corrections + row * num_channels + channel, value, mask=inside)
+
+
+@triton.jit(do_not_specialize=["num_channels", "shift_stride", "count", "fingerprint"])
+def _pack_forward_kernel(  # type: ignore[no-untyped-def]
+    shifted_sum,
+    shifted_square_sum,
+    shift,
+    buffer,
+    num_channels,
+    shift_stride,
+    count,
+    fingerprint,
+    COUNT_SLOT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # syncbn._protocol.pack_forward: [error (0), f, f**2, n, sum(x) (C), sum(x**2) (C), f]
+    f = fingerprint.to(tl.float64)
+    n = count.to(tl.float64)
+    tl.store(buffer, 0.0)
+    tl.store(buffer + 1, f)
+    tl.store(buffer + 2, f * f)
+    tl.store(buffer + COUNT_SLOT, n)
+    tl.store(buffer + COUNT_SLOT + 1 + 2 * num_channels, f)
+    for first in range(0, num_channels, BLOCK):
+        channel = first + tl.arange(0, BLOCK)
+        inside = channel < num_channels
+        # syncbn._stats.unshifted_sums, in float64
+        local_shift = tl.load(shift + channel * shift_stride, mask=inside, other=0.0)
+        local_shift = local_shift.to(tl.float64)
+        total = tl.load(shifted_sum + channel, mask=inside, other=0.0).to(tl.float64)
+        square_total = tl.load(shifted_square_sum + channel, mask=inside, other=0.0)
+        unshifted = total + n * local_shift
+        square_total = square_total.to(tl.float64) + local_shift * (total + unshifted)
+        tl.store(buffer + COUNT_SLOT + 1 + channel, unshifted, mask=inside)
+        tl.store(buffer + COUNT_SLOT + 1 + num_channels + channel, square_total, mask=inside)

@@ -31,6 +31,7 @@ __all__ = [
     "normalize",
     "output_format",
     "output_offset",
+    "shifted_sums",
     "zero_padded",
 ]
 
@@ -229,16 +230,35 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
         x = input.detach().to(stat_dtype(input.dtype))
         shift = channel_view(first_valid_sample(x, valid), input.dim())
         centered = zero_padded(_subtract(x, shift), valid, inplace=True)
-    zeros, ones, empty = constants(num_channels, shift.dtype, shift.device)
-    # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
-    _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
-        centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
-    )
+    shifted_sum, shifted_square_sum = _sums(centered, shift)
     # the sums stay in the statistics dtype: the float64 shift promotes the maths that
     # adds it back to float64, inside those kernels
     shift = shift.view(num_channels).to(_PACK_DTYPE)
     total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
     return LocalMoments(total, square_total, shift, centered, count)
+
+
+def shifted_sums(
+    input: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first steps of :func:`local_moments` for a non-empty, unmasked batch, for kernels
+    that add the shift back themselves: the ``(C,)`` sum and sum of squares of the shifted
+    copy in the statistics dtype, the ``(C,)`` shift (a strided view of the input where it
+    can be) and the shifted copy."""
+    centered, shift = _center(input)
+    shifted_sum, shifted_square_sum = _sums(centered, shift)
+    return shifted_sum, shifted_square_sum, shift.view(-1), centered
+
+
+def _sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum and sum of squares of ``centered``, in one pass of
+    ``native_batch_norm_backward`` (see :func:`local_moments`)."""
+    zeros, ones, empty = constants(centered.shape[1], shift.dtype, shift.device)
+    # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
+    _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
+        centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
+    )
+    return shifted_sum, shifted_square_sum
 
 
 def output_offset(
