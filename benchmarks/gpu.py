@@ -194,9 +194,13 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
             # syncbn._kernels.finalize (deferred calls: Triton kernels for the
             # per-channel maths); candidates until measured faster
             _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
-            _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
             try:
+                _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
                 row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+            except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
+                if kind != "syncbn-finalize":
+                    raise
+                row[kind] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
             finally:
                 _kernels.use_device_kernels("cuda", enabled=False)
                 _kernels.use_fused_finalize("cuda", enabled=False)
@@ -243,9 +247,16 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     for kind in ("cudnn", "torch-sync", "syncbn", "syncbn-finalize"):
         model = _on_gpu(copy.deepcopy(base), kind, group)
         step = _training_step(model, model, x, target)
-        # "syncbn-finalize": deferred calls with syncbn._kernels.finalize (a candidate)
-        _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
-        eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
+        try:
+            # "syncbn-finalize": deferred calls with syncbn._kernels.finalize (a candidate)
+            _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
+            eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
+        except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
+            if kind != "syncbn-finalize":
+                raise
+            message = f"{type(error).__name__}: {str(error)[:200]}"
+            results[kind] = {"eager": {"error": message}, "graph": {"error": message}}
+            continue
         graphed: dict[str, Any]
         try:
             side = torch.cuda.Stream()
@@ -390,18 +401,13 @@ def _render(results: dict[str, Any]) -> str:
         ]
         for row in results["layers"]:
             # (results of runs before a kind existed show "-" for it)
-            cells = [
-                f"{row[k]['device_ms']:.3f} / {row[k]['host_ms']:.3f} / {row[k]['syncs']}"
-                if k in row
-                else "-"
-                for k in LAYER_KINDS
-            ]
+            cells = [_layer_cell(row.get(k)) for k in LAYER_KINDS]
             ours = row["syncbn"]["device_ms"]
             ratios = [
                 f"{ours / row['cudnn']['device_ms']:.2f}x",
                 f"{ours / row['torch-sync']['device_ms']:.2f}x",
                 *(
-                    f"{row[k]['device_ms'] / ours:.2f}x" if k in row else "-"
+                    f"{row[k]['device_ms'] / ours:.2f}x" if "device_ms" in row.get(k, {}) else "-"
                     for k in ("syncbn-fused", "syncbn-finalize")
                 ),
             ]
@@ -419,12 +425,12 @@ def _render(results: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for kind, entry in results["step"].items():
-            graph = entry["graph"]
+            eager, graph = entry["eager"], entry["graph"]
+            if "error" in eager:
+                lines.append(f"| {kind} | {eager['error']} | | |")
+                continue
             graph_text = graph["error"] if "error" in graph else f"{graph['device_ms']:.2f}"
-            lines.append(
-                f"| {kind} | {entry['eager']['device_ms']:.2f} | {entry['eager']['syncs']} | "
-                f"{graph_text} |"
-            )
+            lines.append(f"| {kind} | {eager['device_ms']:.2f} | {eager['syncs']} | {graph_text} |")
         lines.append("")
     if "ranks" in results and "error" not in results["ranks"]:
         lines += [
@@ -435,7 +441,9 @@ def _render(results: dict[str, Any]) -> str:
         ]
         for row0, row1 in zip(*results["ranks"]):
             cells = [
-                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}" if k in row0 else "-"
+                f"{max(row0[k]['device_ms'], row1[k]['device_ms']):.3f}"
+                if "device_ms" in row0.get(k, {}) and "device_ms" in row1.get(k, {})
+                else _layer_cell(row0.get(k))
                 for k in LAYER_KINDS[1:]
             ]
             layout = "channels_last" if row0["channels_last"] else "NCHW"
@@ -446,6 +454,16 @@ def _render(results: dict[str, Any]) -> str:
     if "masked" in results and "error" not in results["masked"]:
         lines += _render_masked(results["masked"])
     return "\n".join(lines) + "\n"
+
+
+def _layer_cell(entry: dict[str, Any] | None) -> str:
+    """One layer's ``device / host / syncs`` cell; its error, or "-" where a run before the
+    kind existed has none."""
+    if entry is None:
+        return "-"
+    if "error" in entry:
+        return str(entry["error"])
+    return f"{entry['device_ms']:.3f} / {entry['host_ms']:.3f} / {entry['syncs']}"
 
 
 def _render_or_say_why(results: dict[str, Any]) -> str:
