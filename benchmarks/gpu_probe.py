@@ -5,8 +5,10 @@
    fused kernels, immediate and deferred checks; float16 passed). For each rank's slice of
    that case it prints the error of the per-channel ``sum(dy)`` computed four ways against
    the exact sum: ``native_batch_norm_backward`` in eval mode (what syncbn's
-   ``backward_reduce`` calls) on the CPU and on CUDA, a plain ``sum`` on each, and then the
-   bias gradient of a syncbn layer (one rank, sync path forced) per slice and check mode.
+   ``backward_reduce`` calls) on the CPU and on CUDA, a plain ``sum`` on each, the bias
+   gradient of a syncbn layer (one rank, sync path forced) per slice and check mode, and
+   then each rank's bias gradient in the failing test itself (2 gloo ranks, CUDA tensors)
+   against the exact sum of its own output gradient.
 2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
    ms of host time per forward+backward call of one layer at every shape (the device
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import sys
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 import syncbn
 from syncbn import _kernels
+from syncbn._cli.launch import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _gold  # noqa: E402  (the gold case's data, from the tests)
@@ -89,6 +93,28 @@ def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
                 errors.append(_error(layer.bias.grad, dy.double().sum((0, 2, 3))))
                 layer.weight.grad = layer.bias.grad = None
             say(f"layer samples {start}:{stop} {mode}: bias gradient error per step {errors}")
+
+
+def _gold_rank_errors(rank: int, world_size: int, device: str) -> list[str]:
+    """The failing test itself, on 2 gloo ranks with CUDA tensors: per check mode and step,
+    this rank's bias gradient against the exact sum of its own output gradient."""
+    errors = []
+    for mode in ("auto", "immediate"):
+        case = dataclasses.replace(BF16_CASE, extra={"device": device, "check_mode": mode})
+        _, dys, _, _ = case.data()
+        start = sum(case.sizes[:rank])
+        stop = start + case.sizes[rank]
+        result = _gold.run_rank(rank, world_size, case)
+        for step, record in enumerate(result["steps"]):
+            exact = case.prepare(dys[step][start:stop]).double().sum((0, 2, 3))
+            errors.append(f"{mode} step {step}: {_error(record['grad_bias'], exact)}")
+    return errors
+
+
+def probe_bf16_on_ranks(device: torch.device, say: Callable[[str], None]) -> None:
+    """:func:`_gold_rank_errors` on 2 gloo ranks (the failing tests' transport)."""
+    for rank, errors in enumerate(run_on_ranks(_gold_rank_errors, 2, device.type, timeout=120)):
+        say(f"gloo rank {rank} (samples {BF16_CASE.sizes}): bias gradient error {errors}")
 
 
 def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -> None:
@@ -185,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend, init_method=f"file://{tmp}/r", rank=0, world_size=1)
         try:
             probe_bf16(device, say)
+            try:  # the failing tests' own transport: 2 gloo ranks with CUDA tensors
+                probe_bf16_on_ranks(device, say)
+            except Exception as error:  # noqa: BLE001 - reported, and the profiles still run
+                say(f"gloo ranks: failed: {type(error).__name__}: {error}")
             profile_calls(device, args.out, say)
         finally:
             dist.destroy_process_group()
