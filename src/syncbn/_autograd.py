@@ -589,13 +589,13 @@ def forward_train(
                 moments.square_total,
                 options.layer.fingerprint,
             )
+    running = first_given(running_mean, running_var)
+    update_dtype = torch.float64 if running is None else running.dtype
     if fused is not None:
         buffers = (running_mean, running_var, num_batches_tracked)
         return _forward_on_fused_kernel(
-            fused, buffer, input, moments, weight, bias, *buffers, options
+            fused, buffer, input, moments, weight, bias, *buffers, options, update_dtype
         )
-    running = first_given(running_mean, running_var)
-    update_dtype = torch.float64 if running is None else running.dtype
     reduced = reduce_forward(
         buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
     )
@@ -643,17 +643,20 @@ def _forward_on_fused_kernel(
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
+    update_dtype: torch.dtype,
 ) -> ForwardResult:
     """The rest of a deferred, unmasked :func:`forward_train` from its packed ``buffer``,
     with :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
     kernel for the checks and the per-channel maths that :func:`reduce_forward`,
     :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
-    then the output pass (one ``addcmul`` where the generic kernels make two passes)."""
+    then the output pass (one ``addcmul`` where the generic kernels make two passes).
+
+    Args:
+        update_dtype: as :func:`reduce_forward`'s: the running statistics' dtype.
+    """
     buffer = options.reducer.all_reduce(buffer, "forward")
     counted = None  # a cumulative average: the kernel divides by the batch counter
     if options.momentum is not None or num_batches_tracked is None:
-        running = first_given(running_mean, running_var)
-        update_dtype = torch.float64 if running is None else running.dtype
         factor = 0.0 if options.momentum is None else options.momentum
         counted = counted_update(factor, buffer.device, update_dtype)
     saved, offset, header = fused.finalize_forward(
