@@ -294,18 +294,24 @@ def _deferred_problems(rank: int, world_size: int, problem: str) -> dict[str, An
     return {"bad": bad, "moved": moved, "later": later}
 
 
+def assert_deferred_problem_surfaced(result: dict[str, Any], problem: str) -> None:
+    """What :func:`_deferred_problems` must return on every rank (also for
+    tests/test_kernels_finalize.py)."""
+    assert result["bad"] == ("ok", "")  # deferred: the call itself does not read back
+    assert not any(result["moved"].values()), result["moved"]  # masked on the device
+    kind, message = result["later"]
+    assert message.startswith("(deferred check) ")
+    if problem == "order":
+        assert kind == "RuntimeError" and "layer mismatch in forward" in message
+        assert "(num_features=3, call 1)" in message  # the call where it went wrong
+    else:
+        assert kind == "ValueError" and "Expected more than 1 value per channel" in message
+
+
 @pytest.mark.parametrize("problem", ["order", "count"])
 def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: str) -> None:
     for result in pool2.run(_deferred_problems, problem):
-        assert result["bad"] == ("ok", "")  # deferred: the call itself does not read back
-        assert not any(result["moved"].values()), result["moved"]  # masked on the device
-        kind, message = result["later"]
-        assert message.startswith("(deferred check) ")
-        if problem == "order":
-            assert kind == "RuntimeError" and "layer mismatch in forward" in message
-            assert "(num_features=3, call 1)" in message  # the call where it went wrong
-        else:
-            assert kind == "ValueError" and "Expected more than 1 value per channel" in message
+        assert_deferred_problem_surfaced(result, problem)
 
 
 def _caught_failure_then_training(rank: int, world_size: int, where: str) -> list[str]:
@@ -350,8 +356,14 @@ def test_deferred_checks_recover_after_a_caught_failure(pool2: WorkerPool, where
     joining would pair every later collective with the wrong call (the step after a caught
     error then never succeeded, or mismatched sizes aborted both processes)."""
     for rank, ended in enumerate(pool2.run(_caught_failure_then_training, where, timeout=60.0)):
-        assert ended[0] == "ok" and ended[2:] == ["ok", "ok"], (rank, ended)
-        assert ended[1] != "ok", (rank, ended)
+        assert_recovered_after_step_1(rank, ended)
+
+
+def assert_recovered_after_step_1(rank: int, ended: list[str]) -> None:
+    """What :func:`_caught_failure_then_training` must return on every rank: step 1 failed,
+    the others succeeded (also for tests/test_kernels_finalize.py)."""
+    assert ended[0] == "ok" and ended[2:] == ["ok", "ok"], (rank, ended)
+    assert ended[1] != "ok", (rank, ended)
 
 
 #: the scenarios' destroyed process groups, kept alive until the worker process ends: on
