@@ -9,18 +9,23 @@ nothing, and a checkpointed recomputation that moves nothing. Triton comes with 
 CUDA builds, not with CI's CPU build: CI runs this file in the environment of the optional
 integrations (``.ci/ecosystem``, torch's CUDA build, no GPU), where the kernel runs on CPU
 tensors through Triton's interpreter; on a GPU machine it runs compiled, on CUDA tensors.
+Since the interpreter runs what Triton's compiler may refuse, every signature that the
+tests launch is also compiled for A100 and H100 GPUs (sm_80, sm_90) with ptxas, no GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import os
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -39,7 +44,7 @@ import syncbn
 from syncbn import _kernels
 from syncbn._autograd import LayerInfo, LocalReducer, TrainOptions
 
-pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
+triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
 
 #: on a GPU machine the kernel runs compiled on CUDA tensors, elsewhere interpreted on the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,13 +81,11 @@ def fused_finalize() -> Iterator[Counter[str]]:
 
         return call
 
-    for name in FUSED_CALLS:
-        setattr(finalize, name, counted(name))
+    replacements: dict[str, Any] = {name: counted(name) for name in FUSED_CALLS}
     try:
-        yield calls
+        with mock.patch.multiple(finalize, **replacements):
+            yield calls
     finally:
-        for name, function in originals.items():
-            setattr(finalize, name, function)
         _kernels.use_fused_finalize(DEVICE, enabled=False)
 
 
@@ -170,6 +173,128 @@ def test_one_process_equals_the_generic_maths(dtypes: tuple[torch.dtype, Any]) -
             torch.testing.assert_close(actual, expected, **tolerance, msg=_prefixed(str(case)))
             compared += 1
     assert compared > 0
+
+
+#: the kernels of syncbn._kernels.finalize, as its module names them
+KERNELS = (
+    "_pack_forward_kernel",
+    "_finalize_forward_kernel",
+    "_pack_backward_kernel",
+    "_finalize_backward_kernel",
+)
+
+#: Triton's name of each dtype of a pointer argument
+_POINTER_TYPES = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+}
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, Any]]]]:
+    """Inside :func:`fused_finalize`: records each launch of :data:`KERNELS` (the kernel's
+    name, its arguments and its compile-time constants), then runs it."""
+    from syncbn._kernels import finalize
+
+    launches: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    originals = {name: getattr(finalize, name) for name in KERNELS}
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> Callable[..., Any]:
+            def launch(*args: Any, **constants: Any) -> Any:
+                launches.append((self.name, args, constants))
+                return originals[self.name][grid](*args, **constants)
+
+            return launch
+
+    replacements: dict[str, Any] = {name: Recording(name) for name in KERNELS}
+    with mock.patch.multiple(finalize, **replacements):
+        yield launches
+
+
+def _signature(arg_names: list[str], args: tuple[Any, ...], constants: dict[str, Any]) -> Any:
+    """The types Triton's launcher gives ``args``: a pointer of the tensor's dtype, an
+    integer of 32 bits or, beyond them, 64 (the kernels specialize no integer)."""
+    signature = {}
+    for name, value in zip(arg_names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _POINTER_TYPES[value.dtype]
+        else:
+            assert type(value) is int, (name, value)
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+    return signature | dict.fromkeys(constants, "constexpr")
+
+
+def _compiled_kernels() -> Any:
+    """A second copy of syncbn._kernels.finalize whose kernels Triton compiles (where the
+    tests interpret the first one on the CPU): ``triton.jit`` reads ``TRITON_INTERPRET``
+    when it decorates a function."""
+    from syncbn._kernels import finalize
+
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        spec = importlib.util.spec_from_file_location("finalize_compiled", finalize.__file__)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+    return module
+
+
+def _ptxas() -> Path | None:
+    """The ptxas of Triton's NVIDIA backend (its wheel ships it), if executable."""
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return None
+    ptxas = Path(nvidia.__file__).parent / "bin" / "ptxas"
+    return ptxas if os.access(ptxas, os.X_OK) else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs Triton's NVIDIA backend and its ptxas")
+def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
+    """Each kernel, with every signature that the calls of the parity test launch, compiles
+    to machine code for sm_80 (A100) and sm_90 (H100, H200), with ptxas and no GPU.
+
+    Triton's interpreter runs the kernels as Python, and accepts what its compiler
+    refuses: before this test, every forward kernel that moves running statistics
+    assigned a dtype inside its channel loop ("Loop carried variable running_type is not
+    a triton value" in Triton 3.6 to 3.9), which only a GPU run would have found."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with fused_finalize(), recorded_launches() as launches:
+        for dtypes in LAYER_DTYPES:
+            for affine, running, momentum, n in itertools.product(
+                [True, False], [True, False], [0.1, None], [4, 0]
+            ):
+                _steps(True, *dtypes, dict(affine=affine, running=running, momentum=momentum, n=n))
+    compiled = _compiled_kernels()
+    signatures = {}
+    for name, args, constants in launches:
+        kernel = getattr(compiled, name)
+        signature = _signature(kernel.arg_names, args, constants)
+        signatures[name, repr(signature), repr(constants)] = (kernel, signature, constants)
+    assert {name for name, _, _ in signatures} == set(KERNELS)
+    failures = []
+    for (name, _, _), (kernel, signature, constants) in signatures.items():
+        for arch in (80, 90):
+            try:
+                binary = triton.compile(
+                    ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32)
+                )
+                assert binary.asm["cubin"], (name, arch)
+            except Exception as error:  # noqa: BLE001 - each failure is reported below
+                failures.append(f"{name} sm_{arch} {signature} {constants}: {error}")
+    assert not failures, "\n".join(failures)
 
 
 def _fused_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:

@@ -28,7 +28,8 @@ unless :func:`syncbn._kernels.use_fused_finalize` turns them on for a device typ
 GPU run measures them faster (``benchmarks/gpu.py``, variant ``syncbn-finalize``). This
 module imports Triton (which torch's CUDA builds install), so syncbn imports it only then;
 on the CPU the tests run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``),
-where they compute the same functions.
+where they compute the same functions, and compile them for sm_80 and sm_90 with Triton's
+ptxas (the interpreter runs Python that the compiler refuses).
 """
 
 from __future__ import annotations
@@ -312,11 +313,14 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
     n_divisor = tl.maximum(n, 1.0)
     unbiased_divisor = tl.maximum(n - 1.0, 1.0)
     gradient_divisor = tl.minimum(-n, -1.0)
+    # dtypes are compile-time values: set once here, never in the loop below (a variable
+    # the loop assigns again is carried from iteration to iteration, which a dtype cannot be)
+    stat_type = saved.dtype.element_ty
+    running_type = running_mean.dtype.element_ty
     factor = 0.0
     if UPDATE_RUNNING:
         # syncbn._autograd.reduce_forward's factor, in the buffers' dtype (0 unless the
         # statistics move); read before the batch counter moves, at the end
-        running_type = running_mean.dtype.element_ty
         if CUMULATIVE:
             average = 1.0 / (tl.load(num_batches_tracked) + 1).to(tl.float64)
             if not WIDE_RUNNING:  # as torch converts a float64 to 16 bits: through float32
@@ -351,7 +355,6 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
         shifted_offset = (local_shift.to(tl.float64) - mean) * scale
         if HAS_BIAS:
             shifted_offset += tl.load(bias + channel, mask=inside, other=0.0).to(tl.float64)
-        stat_type = saved.dtype.element_ty
         tl.store(saved + channel, mean.to(stat_type), mask=inside)
         tl.store(saved + num_channels + channel, var.to(stat_type), mask=inside)
         tl.store(saved + 2 * num_channels + channel, scale.to(stat_type), mask=inside)
@@ -361,7 +364,6 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
         if UPDATE_RUNNING:
             # syncbn._stats.update_running_stats: the targets in the statistics dtype, then in
             # the buffers' dtype
-            running_type = running_mean.dtype.element_ty
             start = tl.load(running_mean + channel, mask=inside, other=0.0)
             end = mean.to(stat_type).to(running_type)
             moved = _moved(start, end, factor, WIDE_RUNNING)
