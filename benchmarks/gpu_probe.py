@@ -8,7 +8,9 @@
    ``backward_reduce`` calls) on the CPU and on CUDA, a plain ``sum`` on each, the bias
    gradient of a syncbn layer (one rank, sync path forced) per slice and check mode, and
    then each rank's bias gradient in the failing test itself (2 gloo ranks, CUDA tensors)
-   against the exact sum of its own output gradient.
+   against the exact sum of its own output gradient: as the tests run, with
+   ``CUDA_LAUNCH_BLOCKING=1``, and with the all_reduce through a host copy (a race between
+   streams would show as errors in the first only).
 2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
    ms of host time per forward+backward call of one layer at every shape (the device
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
@@ -28,6 +30,7 @@ import argparse
 import cProfile
 import dataclasses
 import io
+import os
 import pstats
 import sys
 import tempfile
@@ -95,9 +98,29 @@ def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
             say(f"layer samples {start}:{stop} {mode}: bias gradient error per step {errors}")
 
 
-def _gold_rank_errors(rank: int, world_size: int, device: str) -> list[str]:
+def _all_reduce_through_host() -> None:
+    """syncbn's all_reduce of a CUDA buffer made through a CPU copy, taken and copied back
+    on the calling stream: gloo's own handling of CUDA tensors (its streams and pinned
+    copies) out of the picture, syncbn's code unchanged."""
+    from syncbn import distributed
+
+    original = distributed.all_reduce_sum_
+
+    def through_host(buffer: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        host = buffer.cpu()
+        original(host, group)
+        return buffer.copy_(host)
+
+    distributed.all_reduce_sum_ = through_host
+
+
+def _gold_rank_errors(
+    rank: int, world_size: int, device: str, through_host: bool = False
+) -> list[str]:
     """The failing test itself, on 2 gloo ranks with CUDA tensors: per check mode and step,
     this rank's bias gradient against the exact sum of its own output gradient."""
+    if through_host:
+        _all_reduce_through_host()
     errors = []
     for mode in ("auto", "immediate"):
         case = dataclasses.replace(BF16_CASE, extra={"device": device, "check_mode": mode})
@@ -112,9 +135,32 @@ def _gold_rank_errors(rank: int, world_size: int, device: str) -> list[str]:
 
 
 def probe_bf16_on_ranks(device: torch.device, say: Callable[[str], None]) -> None:
-    """:func:`_gold_rank_errors` on 2 gloo ranks (the failing tests' transport)."""
-    for rank, errors in enumerate(run_on_ranks(_gold_rank_errors, 2, device.type, timeout=120)):
-        say(f"gloo rank {rank} (samples {BF16_CASE.sizes}): bias gradient error {errors}")
+    """:func:`_gold_rank_errors` on 2 gloo ranks (the failing tests' transport), as the
+    tests run; then with every kernel launch waited for (``CUDA_LAUNCH_BLOCKING=1``, set
+    before the ranks start) and with the all_reduce through a host copy. Errors as the
+    tests run only (they were at step 1, not step 0) would point at the order of work
+    between streams, not at the arithmetic."""
+    variants: list[tuple[str, dict[str, str], bool]] = [
+        ("as the tests run", {}, False),
+        ("launch blocking", {"CUDA_LAUNCH_BLOCKING": "1"}, False),
+        ("all_reduce through a host copy", {}, True),
+    ]
+    for name, environment, through_host in variants:
+        saved = {key: os.environ.get(key) for key in environment}
+        os.environ.update(environment)
+        try:
+            per_rank = run_on_ranks(_gold_rank_errors, 2, device.type, through_host, timeout=120)
+        except Exception as error:  # noqa: BLE001 - reported, and the next variant runs
+            say(f"gloo ranks, {name}: failed: {type(error).__name__}: {error}")
+            continue
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        for rank, errors in enumerate(per_rank):
+            say(f"gloo rank {rank}, {name}: bias gradient error {errors}")
 
 
 def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -> None:
@@ -211,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend, init_method=f"file://{tmp}/r", rank=0, world_size=1)
         try:
             probe_bf16(device, say)
-            try:  # the failing tests' own transport: 2 gloo ranks with CUDA tensors
-                probe_bf16_on_ranks(device, say)
-            except Exception as error:  # noqa: BLE001 - reported, and the profiles still run
-                say(f"gloo ranks: failed: {type(error).__name__}: {error}")
+            probe_bf16_on_ranks(device, say)  # the failing tests' transport: gloo, CUDA tensors
             profile_calls(device, args.out, say)
         finally:
             dist.destroy_process_group()
