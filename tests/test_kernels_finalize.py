@@ -218,7 +218,9 @@ def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, A
         yield launches
 
 
-def _signature(arg_names: list[str], args: tuple[Any, ...], constants: dict[str, Any]) -> Any:
+def _signature(
+    arg_names: list[str], args: tuple[Any, ...], constants: dict[str, Any]
+) -> dict[str, str]:
     """The types Triton's launcher gives ``args``: a pointer of the tensor's dtype, an
     integer of 32 bits or, beyond them, 64 (the kernels specialize no integer)."""
     signature = {}
