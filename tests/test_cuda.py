@@ -1,4 +1,5 @@
-"""SyncBatchNorm on CUDA: gold parity, no host synchronization, graph capture, autocast, compile.
+"""SyncBatchNorm on CUDA: gold parity, no host synchronization, graph capture, autocast, compile,
+and vacancy's DataParallel API on one GPU.
 
 Every test here needs a CUDA GPU and is skipped without one (CI has none). Two ranks share
 one GPU through gloo with CUDA tensors (nccl refuses two ranks per GPU); nccl is covered
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from test_data_parallel import one_device_matches_batchnorm
 from test_kernels_cuda import counted_cuda_ops, expected_calls
 from test_masked import MaskedCase, _assert_matches, _run_masked
 from torch import nn
@@ -162,6 +164,11 @@ def test_a_timm_model_on_cuda_equals_its_batchnorm_original(pool2: WorkerPool) -
         assert result["converted"] == 49
         for key, value in result["plain"].items():
             torch.testing.assert_close(result["synced"][key], value, rtol=1e-9, atol=1e-10)
+
+
+def test_data_parallel_api_on_one_gpu_equals_batchnorm() -> None:
+    """vacancy's DataParallel API with one GPU (one replica: torch's BatchNorm on cuda:0)."""
+    one_device_matches_batchnorm(torch.device("cuda", 0))
 
 
 def _no_host_sync(rank: int, world_size: int, autocast: bool = True) -> dict[str, Any]:

@@ -663,29 +663,64 @@ def test_vacancy_readme_usage_runs() -> None:
     m(torch.randn(4, 3, 8, 8, device=device)).square().sum().backward()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_two_cuda_devices_match_batchnorm_on_whole_batch() -> None:
+def _small_model(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    device = torch.device("cuda", 0)
-    expected_model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4)
     ).to(device, torch.float64)
-    model = DataParallelWithCallback(convert_model(copy.deepcopy(expected_model)), [0, 1])
+
+
+def _assert_trains_like(model: nn.DataParallel, reference: nn.Module, device: torch.device) -> None:
+    """Two training steps of ``model`` (converted, in a DataParallel wrapper) and of its
+    BatchNorm ``reference`` on the same batches of 5 (3 + 2 on two devices): outputs, input
+    and parameter gradients, then the state."""
     for _ in range(2):
-        x = torch.randn(5, 3, 6, 6, device=device, dtype=torch.float64)  # 3 + 2 per device
+        x = torch.randn(5, 3, 6, 6, device=device, dtype=torch.float64)
         dy = torch.randn(5, 4, 6, 6, device=device, dtype=torch.float64)
         x_ref, x_dp = x.clone().requires_grad_(), x.clone().requires_grad_()
-        expected = expected_model(x_ref)
+        expected = reference(x_ref)
         expected.backward(dy)
         output = model(x_dp)
         output.backward(dy)
         torch.testing.assert_close(output, expected, **TOL)
         torch.testing.assert_close(x_dp.grad, x_ref.grad, **TOL)
-        for param, ref in zip(model.module.parameters(), expected_model.parameters()):
+        for param, ref in zip(model.module.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, **TOL)
         model.zero_grad()
-        expected_model.zero_grad()
-    torch.testing.assert_close(model.module.state_dict(), expected_model.state_dict(), **TOL)
+        reference.zero_grad()
+    torch.testing.assert_close(model.module.state_dict(), reference.state_dict(), **TOL)
+
+
+def one_device_matches_batchnorm(device: torch.device) -> None:
+    """vacancy's API on one device: a model converted by ``convert_model`` inside
+    ``DataParallelWithCallback`` (``device_ids=[0]`` where a GPU is: one replica, so the
+    layers are torch's BatchNorm), and inside ``nn.DataParallel`` with the replication
+    callback patched in, each trained like the original BatchNorm model; then an eval
+    output."""
+    device_ids = [0] if device.type == "cuda" else None
+    for wrap in (DataParallelWithCallback, nn.DataParallel):
+        reference = _small_model(device)
+        model = wrap(convert_model(copy.deepcopy(reference)), device_ids)
+        if wrap is nn.DataParallel:
+            patch_replication_callback(model)
+        assert sum(isinstance(m, SynchronizedBatchNorm2d) for m in model.modules()) == 2
+        _assert_trains_like(model, reference, device)
+        x = torch.randn(3, 3, 6, 6, device=device, dtype=torch.float64)
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), **TOL)
+
+
+@pytest.mark.usefixtures("without_cuda")
+def test_one_device_matches_batchnorm() -> None:
+    """On the CPU (tests/test_cuda.py runs the same on one GPU)."""
+    one_device_matches_batchnorm(torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_cuda_devices_match_batchnorm_on_whole_batch() -> None:
+    device = torch.device("cuda", 0)
+    reference = _small_model(device)
+    model = DataParallelWithCallback(convert_model(copy.deepcopy(reference)), [0, 1])
+    _assert_trains_like(model, reference, device)
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
