@@ -1,5 +1,4 @@
-"""SyncBatchNorm on CUDA: gold parity, no host synchronization, graph capture, autocast, compile,
-and vacancy's DataParallel API on one GPU.
+"""SyncBatchNorm on CUDA: gold parity, no host sync, graph capture, autocast, compile, DataParallel.
 
 Every test here needs a CUDA GPU and is skipped without one (CI has none). Two ranks share
 one GPU through gloo with CUDA tensors (nccl refuses two ranks per GPU); nccl is covered
