@@ -21,7 +21,8 @@ error and the others still run (exit code 1 then). Four parts, each in its own p
   ``default`` and ``reduce-overhead``, syncbn against cuDNN BatchNorm (issue 20's target:
   at most 1.1x); torch.nn.SyncBatchNorm is left out (it breaks the graph).
 - ``masked``: forward+backward of a masked call (80 % of the positions valid) against an
-  unmasked one, eager, on syncbn's generic and fused kernels, float32 and bfloat16, at
+  unmasked one, eager, on syncbn's generic and fused kernels and with
+  ``syncbn._kernels.finalize`` (the Triton candidate), float32 and bfloat16, at
   three ResNet-50 shapes and a Conformer-style ``(32, 256, 400)`` (issue 21's target: at
   most 1.3x).
 
@@ -280,6 +281,8 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
 MASKED_SHAPES = [(32, 64, 112, 112), (32, 512, 28, 28), (32, 2048, 7, 7), (32, 256, 400)]
 MASKED_VALID = 0.8
 MASKED_DTYPES = ("float32", "bfloat16")
+#: the masked part's kernel sets (see :func:`_masked_rows`)
+MASKED_KERNELS = ("syncbn", "syncbn-fused", "syncbn-finalize")
 
 
 def _masked_rows(
@@ -289,8 +292,10 @@ def _masked_rows(
     timer: Callable[[Callable[[], object]], dict[str, float]],
 ) -> list[dict[str, Any]]:
     """Per shape and dtype, ``timer``'s numbers for an unmasked and a masked call of a
-    synchronized layer, on the generic kernels (``syncbn``) and the fused ones
-    (``syncbn-fused``; they apply to CUDA tensors only)."""
+    synchronized layer, on the generic kernels (``syncbn``), the fused ones
+    (``syncbn-fused``; they apply to CUDA tensors only) and with the Triton candidate
+    (``syncbn-finalize``: deferred calls' per-channel maths, masked ones too), whose failure
+    (no Triton, a compilation) is recorded in its cells."""
     rows = []
     for shape in shapes:
         for dtype in MASKED_DTYPES:
@@ -298,7 +303,7 @@ def _masked_rows(
             dy = torch.randn_like(x)
             mask = torch.rand((shape[0], *shape[2:]), device=device) < MASKED_VALID
             row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "dtype": dtype}
-            for kernels in ("syncbn", "syncbn-fused"):
+            for kernels in MASKED_KERNELS:
                 layer = make_layer(shape[1]).to(device)
                 for name, call_mask in (("unmasked", None), ("masked", mask)):
 
@@ -313,9 +318,18 @@ def _masked_rows(
 
                     _kernels.use_device_kernels("cuda", enabled=kernels == "syncbn-fused")
                     try:
+                        if kernels == "syncbn-finalize":
+                            _kernels.use_fused_finalize("cuda")
                         row[f"{kernels} {name}"] = timer(call)
+                    except Exception as error:  # noqa: BLE001 - the candidate's failure is a result
+                        if kernels != "syncbn-finalize":
+                            raise
+                        row[f"{kernels} {name}"] = {
+                            "error": f"{type(error).__name__}: {str(error)[:200]}"
+                        }
                     finally:
                         _kernels.use_device_kernels("cuda", enabled=False)
+                        _kernels.use_fused_finalize("cuda", enabled=False)
             rows.append(row)
     return rows
 
@@ -483,14 +497,18 @@ def _render_masked(rows: list[dict[str, Any]]) -> list[str]:
         "forward+backward, eager (device ms per call; target: masked <= 1.3x unmasked)",
         "",
         "| shape | dtype | generic unmasked | generic masked | ratio | fused unmasked "
-        "| fused masked | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fused masked | ratio | finalize unmasked | finalize masked | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         cells = []
-        for kernels in ("syncbn", "syncbn-fused"):
-            unmasked = row[f"{kernels} unmasked"]["device_ms"]
-            masked = row[f"{kernels} masked"]["device_ms"]
+        for kernels in MASKED_KERNELS:
+            timed = row.get(f"{kernels} unmasked"), row.get(f"{kernels} masked")
+            if any(t is None or "error" in t for t in timed):
+                failure = next((t["error"] for t in timed if t and "error" in t), "not run")
+                cells += ["-", "-", f"failed: {failure}"]
+                continue
+            unmasked, masked = (t["device_ms"] for t in timed)  # type: ignore[index]
             verdict = "met" if masked <= 1.3 * unmasked else "**missed**"
             cells += [f"{unmasked:.3f}", f"{masked:.3f}", f"{masked / unmasked:.2f}x {verdict}"]
         lines.append(f"| {row['shape']} | {row['dtype']} | {' | '.join(cells)} |")

@@ -542,9 +542,8 @@ def forward_train(
     problem of an earlier call is raised before that, without joining (see
     :func:`resolve_mode`).
 
-    A deferred, unmasked call on a device for which
-    :func:`syncbn._kernels.use_fused_finalize` is on (a candidate, off by default) finishes
-    in :func:`_forward_on_fused_kernel`.
+    A deferred call on a device for which :func:`syncbn._kernels.use_fused_finalize` is on
+    (a candidate, off by default) finishes in :func:`_forward_on_fused_kernel`.
 
     Args:
         mask: bool, True at the valid positions (the input's shape without the channel
@@ -563,7 +562,7 @@ def forward_train(
     # outside join_on_error: see resolve_mode
     mode = resolve_mode(options, device)
     fused = None  # syncbn._kernels.finalize, a candidate: off by default
-    if mode == "deferred" and mask is None:
+    if mode == "deferred":
         fused = fused_finalize_for(device)
         if fused is not None and not fused.applies(running_mean, running_var, weight, bias):
             fused = None
@@ -579,9 +578,9 @@ def forward_train(
         kernels = kernels_for(input.device)
         if mask is not None:
             valid = valid_positions(mask, input)
-        if fused is not None:
+        if fused is not None and valid is None:
             moments, buffer = fused.pack_forward(input, options.layer.fingerprint)
-        else:
+        else:  # (a masked call's count is a tensor, which the fused packing does not take)
             moments = kernels.local_moments(input, valid)
             buffer = _protocol.pack_forward(
                 moments.local_count,
@@ -594,7 +593,7 @@ def forward_train(
     if fused is not None:
         buffers = (running_mean, running_var, num_batches_tracked)
         return _forward_on_fused_kernel(
-            fused, buffer, input, moments, weight, bias, *buffers, options, update_dtype
+            fused, buffer, input, moments, weight, bias, *buffers, options, update_dtype, valid
         )
     reduced = reduce_forward(
         buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
@@ -606,7 +605,9 @@ def forward_train(
     scale = _stats.scale(var, options.eps, weight)
     saved_input, saved_mean = input, mean
     if valid is not None:
-        saved_input, saved_mean = backward_input(input, moments, mean, valid)
+        saved_input, centered = backward_input(input, moments, valid)
+        if centered:  # the shifted copy's mean
+            saved_mean = mean - moments.shift
     # the per-channel vectors the call needs, converted to the statistics dtype in two
     # groups: what backward saves (see ForwardResult.saved), and the output's offset with
     # the running statistics' targets, if there are running statistics
@@ -644,21 +645,27 @@ def _forward_on_fused_kernel(
     num_batches_tracked: torch.Tensor | None,
     options: TrainOptions,
     update_dtype: torch.dtype,
+    valid: torch.Tensor | None = None,
 ) -> ForwardResult:
-    """The rest of a deferred, unmasked :func:`forward_train` from its packed ``buffer``,
-    with :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
+    """The rest of a deferred :func:`forward_train` from its packed ``buffer``, with
+    :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
     kernel for the checks and the per-channel maths that :func:`reduce_forward`,
     :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
-    then the output pass (one ``addcmul`` where the generic kernels make two passes).
+    then the output pass (unmasked: one ``addcmul`` where the generic kernels make two
+    passes; masked: the generic kernels' pass, zero at padded positions).
 
     Args:
         update_dtype: as :func:`reduce_forward`'s: the running statistics' dtype.
+        valid: a masked call's valid positions (see :attr:`ForwardResult.valid`).
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     counted = None  # a cumulative average: the kernel divides by the batch counter
     if options.momentum is not None or num_batches_tracked is None:
         factor = 0.0 if options.momentum is None else options.momentum
         counted = counted_update(factor, buffer.device, update_dtype)
+    saved_input, centered_mean = input, False
+    if valid is not None:
+        saved_input, centered_mean = backward_input(input, moments, valid)
     saved, offset, header = fused.finalize_forward(
         buffer,
         moments.shift,
@@ -672,33 +679,35 @@ def _forward_on_fused_kernel(
         options.eps,
         _stats.stat_dtype(input.dtype),
         update_buffers=not is_recomputing(),  # a checkpointed forward already moved them
+        centered_mean=centered_mean,
     )
     check = options.header_check("forward", tuple(input.shape))
     _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
     centered = moments.centered
-    if centered is not None and input.dtype == saved.dtype:  # float32, float64 input
-        output = fused.normalize(centered, saved[2], offset)
-    else:  # low precision (the generic kernels' batch_norm), or an empty batch
+    if valid is None and centered is not None and input.dtype == saved.dtype:
+        output = fused.normalize(centered, saved[2], offset)  # float32, float64 input
+    else:  # masked, low precision (the generic kernels' batch_norm), or an empty batch
         kernels = kernels_for(input.device)
-        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps)
-    return ForwardResult(output, saved, _protocol.count_slot(buffer), input)
+        output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
+    return ForwardResult(output, saved, _protocol.count_slot(buffer), saved_input, valid)
 
 
 def backward_input(
-    input: torch.Tensor, moments: LocalMoments, mean: torch.Tensor, valid: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a masked call's backward takes as its input, and that tensor's mean (float64).
+    input: torch.Tensor, moments: LocalMoments, valid: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """What a masked call's backward takes as its input, and whether it is the shifted copy
+    (whose mean is the global mean minus the shift; else the input's mean).
 
     It is zero at padded positions, so that nothing the input holds there (NaN included)
     reaches a gradient: the local moments' shifted copy, which a masked
-    :meth:`~syncbn._kernels.Kernels.normalize` leaves intact (its mean is ``mean - shift``),
-    or, where that copy is in another dtype than the input (low precision: float32, twice
-    the input's size), a zeroed copy of the input.
+    :meth:`~syncbn._kernels.Kernels.normalize` leaves intact, or, where that copy is in
+    another dtype than the input (low precision: float32, twice the input's size), a zeroed
+    copy of the input.
     """
     centered = moments.centered
     if centered is not None and centered.dtype == input.dtype:
-        return centered, mean - moments.shift
-    return kernels_for(input.device).zero_padded(input, valid), mean
+        return centered, True
+    return kernels_for(input.device).zero_padded(input, valid), False
 
 
 def backward_train(
@@ -730,7 +739,7 @@ def backward_train(
     kernels = kernels_for(input.device)
     fused = None
     if need_input:  # before the collective, as in forward (see resolve_mode)
-        if resolve_mode(options, saved.device) == "deferred" and valid is None:
+        if resolve_mode(options, saved.device) == "deferred":
             fused = fused_finalize_for(saved.device)  # a candidate, off by default
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if create_graph:
@@ -748,7 +757,9 @@ def backward_train(
         corrections, header = fused.finalize_backward(buffer, saved)
         check = options.header_check("backward")
         _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
-        grad_input = corrected_input_grad(grad_output, input, saved, options.eps, corrections)
+        grad_input = corrected_input_grad(
+            grad_output, input, saved, options.eps, corrections, valid
+        )
     elif need_input:
         totals = synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(

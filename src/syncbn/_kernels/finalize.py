@@ -22,14 +22,16 @@ gradient's corrections in one (the generic code runs three). A call then runs 6 
 kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
 the sums, the correction pass and the gradient in backward.
 
-Only deferred, unmasked calls take them (a masked call's backward needs the mean in
-float64, and an immediate call's count is a number on the host). They are a candidate, off
-unless :func:`syncbn._kernels.use_fused_finalize` turns them on for a device type, until a
-GPU run measures them faster (``benchmarks/gpu.py``, variant ``syncbn-finalize``). This
-module imports Triton (which torch's CUDA builds install), so syncbn imports it only then;
-on the CPU the tests run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``),
-where they compute the same functions, and compile them for sm_80 and sm_90 with Triton's
-ptxas (the interpreter runs Python that the compiler refuses).
+Deferred calls take them (an immediate call's count is a number on the host); masked
+calls too, whose local sums and packing stay the generic kernels' (their count is a
+tensor), and so do their output and input-gradient passes (zero at padded positions).
+They are a candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns them on
+for a device type, until a GPU run measures them faster (``benchmarks/gpu.py``, variant
+``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
+syncbn imports it only then; on the CPU the tests run the kernels through Triton's
+interpreter (``TRITON_INTERPRET=1``), where they compute the same functions, and compile
+them for sm_80 and sm_90 with Triton's ptxas (the interpreter runs Python that the
+compiler refuses).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def finalize_forward(
     eps: float,
     dtype: torch.dtype,
     update_buffers: bool,
+    centered_mean: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A deferred call's checks and statistics from its all-reduced forward buffer: the
     saved statistics, the output's offset, the header values for the host; the running
@@ -109,6 +112,9 @@ def finalize_forward(
             :func:`syncbn._protocol.device_flags` compares the header with.
         dtype: the statistics dtype of the call.
         update_buffers: false in a checkpointed recomputation, which moves nothing.
+        centered_mean: save ``mean - shift``, the mean of the shifted copy that a masked
+            call's backward takes as its input (:func:`syncbn._autograd.backward_input`),
+            in the first row instead of the mean.
 
     Returns:
         ``saved``, the ``(4, C)`` rows ``[mean, var, scale, scale / -n]``, the ``(C,)``
@@ -148,6 +154,7 @@ def finalize_forward(
             WIDE_RUNNING=running_mean is not None and running_mean.dtype == torch.float64,
             COUNT_BATCH=counted,
             CUMULATIVE=counted_update is None,
+            CENTERED_MEAN=centered_mean,
             BLOCK=_BLOCK,
         )
     return saved, offset, header
@@ -277,6 +284,7 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
     WIDE_RUNNING: tl.constexpr,
     COUNT_BATCH: tl.constexpr,
     CUMULATIVE: tl.constexpr,
+    CENTERED_MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # syncbn._protocol.header_values and device_flags: no error flag, every rank's
@@ -355,7 +363,9 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
         shifted_offset = (local_shift.to(tl.float64) - mean) * scale
         if HAS_BIAS:
             shifted_offset += tl.load(bias + channel, mask=inside, other=0.0).to(tl.float64)
-        tl.store(saved + channel, mean.to(stat_type), mask=inside)
+        # a masked call's backward input may be the shifted copy (syncbn._autograd.forward_train)
+        saved_mean = mean - local_shift.to(tl.float64) if CENTERED_MEAN else mean
+        tl.store(saved + channel, saved_mean.to(stat_type), mask=inside)
         tl.store(saved + num_channels + channel, var.to(stat_type), mask=inside)
         tl.store(saved + 2 * num_channels + channel, scale.to(stat_type), mask=inside)
         row = (scale / gradient_divisor).to(stat_type)
