@@ -394,6 +394,7 @@ MASKED = {
     "empty-rank": MaskedCase(sizes=(0, 4), valid=(0.5, 0.6)),
     "all-padded-rank": MaskedCase(sizes=(3, 4), valid=(0.0, 0.7)),
     "channels-last": MaskedCase(sizes=(2, 3), valid=(0.7, 0.5), tail=(3, 4, 5), channels_last=True),
+    "2d": MaskedCase(sizes=(6, 4), valid=(0.8, 0.5), tail=(4,)),  # (N, C) input, (N,) mask
 }
 
 
