@@ -487,7 +487,7 @@ def _call_kernels(fused: bool, masked: bool) -> tuple[list[str], list[str]]:
 def test_a_deferred_call_runs_6_torch_kernels_and_4_fused_ones() -> None:
     """The torch kernels of a deferred call with the fused kernels on: forward 3 (the
     shifted copy, its sums, the output; and the packing and finalizing kernels), backward 3
-    (and the packing and corrections kernels), against the 31 and 10 of
+    (and the packing and corrections kernels), against the 33 and 10 of
     tests/test_op_budget.py's generic count; on a GPU each direction also copies its header
     to the host, as before. On a GPU each is a launch (the first GPU run: host-bound, ~2.2
     ms per call)."""

@@ -19,9 +19,8 @@ sums and packs the buffer in one kernel (the generic code runs five). In the bac
 :func:`pack_backward` packs the local sums in one kernel (CUDA's ``torch.cat`` of mixed
 dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
 gradient's corrections in one (the generic code runs three). A call then runs 6 torch
-kernels and these 4 instead of the generic code's 41 (43 in that run): the shifted copy,
-its sums and the output in forward, the sums, the correction pass and the gradient in
-backward.
+kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
+the sums, the correction pass and the gradient in backward.
 
 Deferred calls take them (an immediate call's count is a number on the host); masked
 calls too, whose local sums and packing stay the generic kernels' (their count is a
