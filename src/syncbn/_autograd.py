@@ -578,9 +578,9 @@ def forward_train(
         kernels = kernels_for(input.device)
         if mask is not None:
             valid = valid_positions(mask, input)
-        if fused is not None and valid is None:
-            moments, buffer = fused.pack_forward(input, options.layer.fingerprint)
-        else:  # (a masked call's count is a tensor, which the fused packing does not take)
+        if fused is not None:
+            moments, buffer = fused.pack_forward(input, options.layer.fingerprint, valid)
+        else:
             moments = kernels.local_moments(input, valid)
             buffer = _protocol.pack_forward(
                 moments.local_count,

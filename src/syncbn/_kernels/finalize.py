@@ -22,9 +22,10 @@ gradient's corrections in one (the generic code runs three). A call then runs 6 
 kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
 the sums, the correction pass and the gradient in backward.
 
-Deferred calls take them (an immediate call's count is a number on the host); masked
-calls too, whose local sums and packing stay the generic kernels' (their count is a
-tensor), and so do their output and input-gradient passes (zero at padded positions).
+Deferred calls take them (an immediate call's count is a number on the host), masked ones
+too: their count of valid positions is a tensor that the packing kernel reads on the
+device, and their passes over the data stay the generic kernels' (zero at padded
+positions).
 They are a candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns them on
 for a device type, until a GPU run measures them faster (``benchmarks/gpu.py``, variant
 ``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
@@ -171,10 +172,16 @@ def normalize(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     return torch.addcmul(view(offset, ndim), centered, view(scale, ndim), out=centered)
 
 
-def pack_forward(input: torch.Tensor, fingerprint: int) -> tuple[LocalMoments, torch.Tensor]:
+def pack_forward(
+    input: torch.Tensor, fingerprint: int, valid: torch.Tensor | None = None
+) -> tuple[LocalMoments, torch.Tensor]:
     """:func:`syncbn._kernels.generic.local_moments` and :func:`syncbn._protocol.pack_forward`
-    of an unmasked batch, with the shift added back and the buffer packed in one kernel
-    (the generic code runs five there).
+    with the shift added back and the buffer packed in one kernel (the generic code runs
+    five there).
+
+    Args:
+        valid: a masked call's valid positions (``(N, 1, *)`` bool), or ``None``; a masked
+            batch's count is a 0-dim tensor, which the kernel reads on the device.
 
     Returns:
         The moments, whose ``total`` and ``square_total`` are views into the buffer (which
@@ -182,12 +189,12 @@ def pack_forward(input: torch.Tensor, fingerprint: int) -> tuple[LocalMoments, t
         (a strided view of the input where it can be), and the buffer.
     """
     num_channels = input.shape[1]
-    count = input.numel() // num_channels
-    if count == 0:  # nothing to sum: the generic code's zeros
-        moments = generic.local_moments(input)
+    if input.numel() == 0:  # nothing to sum: the generic code's zeros
+        moments = generic.local_moments(input, valid)
         buffer = _protocol.pack_forward(0, moments.total, moments.square_total, fingerprint)
         return moments, buffer
-    shifted_sum, shifted_square_sum, shift, centered = generic.shifted_sums(input)
+    shifted_sum, shifted_square_sum, shift, centered, counted = generic.shifted_sums(input, valid)
+    count: int | torch.Tensor = input.numel() // num_channels if counted is None else counted
     buffer = torch.empty(
         _protocol.forward_size(num_channels), dtype=torch.float64, device=shifted_sum.device
     )
@@ -197,11 +204,13 @@ def pack_forward(input: torch.Tensor, fingerprint: int) -> tuple[LocalMoments, t
             shifted_square_sum,
             shift,
             buffer,
+            buffer if counted is None else counted,  # a pointer read only for a masked batch
             num_channels,
             shift.stride(0),
-            count,
+            count if counted is None else 0,
             fingerprint,
             COUNT_SLOT=_protocol.COUNT_SLOT,
+            COUNT_IN_TENSOR=counted is not None,
             BLOCK=_BLOCK,
         )
     total, square_total = _protocol.forward_sums(buffer).unbind()
@@ -432,16 +441,19 @@ def _pack_forward_kernel(  # type: ignore[no-untyped-def]
     shifted_square_sum,
     shift,
     buffer,
+    count_tensor,
     num_channels,
     shift_stride,
     count,
     fingerprint,
     COUNT_SLOT: tl.constexpr,
+    COUNT_IN_TENSOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # syncbn._protocol.pack_forward: [error (0), f, f**2, n, sum(x) (C), sum(x**2) (C), f]
     f = fingerprint.to(tl.float64)
-    n = count.to(tl.float64)
+    # a masked batch's count of valid positions is a float64 tensor on the device
+    n = tl.load(count_tensor) if COUNT_IN_TENSOR else count.to(tl.float64)
     tl.store(buffer, 0.0)
     tl.store(buffer + 1, f)
     tl.store(buffer + 2, f * f)

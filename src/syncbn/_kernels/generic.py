@@ -226,10 +226,7 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     if valid is None:
         centered, shift = _center(input)
     else:
-        count = valid.sum(dtype=_PACK_DTYPE)
-        x = input.detach().to(stat_dtype(input.dtype))
-        shift = channel_view(first_valid_sample(x, valid), input.dim())
-        centered = zero_padded(_subtract(x, shift), valid, inplace=True)
+        count, centered, shift = _center_valid(input, valid)
     shifted_sum, shifted_square_sum = _sums(centered, shift)
     # the sums stay in the statistics dtype: the float64 shift promotes the maths that
     # adds it back to float64, inside those kernels
@@ -238,16 +235,34 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     return LocalMoments(total, square_total, shift, centered, count)
 
 
+def _center_valid(
+    input: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A masked batch's valid count (0-dim float64), shifted copy (zero at padded
+    positions) and shift (its first valid sample, in broadcast shape), in the statistics
+    dtype."""
+    count = valid.sum(dtype=_PACK_DTYPE)
+    x = input.detach().to(stat_dtype(input.dtype))
+    shift = channel_view(first_valid_sample(x, valid), input.dim())
+    centered = zero_padded(_subtract(x, shift), valid, inplace=True)
+    return count, centered, shift
+
+
 def shifted_sums(
-    input: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first steps of :func:`local_moments` for a non-empty, unmasked batch, for kernels
-    that add the shift back themselves: the ``(C,)`` sum and sum of squares of the shifted
-    copy in the statistics dtype, the ``(C,)`` shift (a strided view of the input where it
-    can be) and the shifted copy."""
-    centered, shift = _center(input)
+    input: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first steps of :func:`local_moments` for a non-empty batch, for kernels that add
+    the shift back themselves: the ``(C,)`` sum and sum of squares of the shifted copy in
+    the statistics dtype, the ``(C,)`` shift (a strided view of the input where it can be),
+    the shifted copy, and for a masked batch (``valid``) its valid count (0-dim float64;
+    ``None`` unmasked)."""
+    count = None
+    if valid is None:
+        centered, shift = _center(input)
+    else:
+        count, centered, shift = _center_valid(input, valid)
     shifted_sum, shifted_square_sum = _sums(centered, shift)
-    return shifted_sum, shifted_square_sum, shift.view(-1), centered
+    return shifted_sum, shifted_square_sum, shift.view(-1), centered, count
 
 
 def _sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
