@@ -496,12 +496,13 @@ def test_a_masked_deferred_call_runs_half_the_torch_kernels() -> None:
     """A masked call keeps the generic passes over its data (the shifted copy zeroed at
     padded positions, its sums, the output, the backward's zeroed gradient, sums and input
     gradient): the fused kernels replace the packing and the per-channel maths around each
-    collective. Counted with torch 2.14 on the CPU: forward 45 -> 15 torch kernels (and 2
-    fused), backward 19 -> 12 (and 2)."""
+    collective (in backward also the input gradient's slope and offset). Counted with torch
+    2.14 on the CPU: forward 45 -> 15 torch kernels (and 2 fused), backward 19 -> 8 (and
+    2)."""
     generic_forward, generic_backward = _call_kernels(fused=False, masked=True)
     forward, backward = _call_kernels(fused=True, masked=True)
     assert len(forward) <= len(generic_forward) // 2, (forward, generic_forward)
-    assert len(backward) <= len(generic_backward) - 5, (backward, generic_backward)
+    assert len(backward) <= len(generic_backward) // 2, (backward, generic_backward)
 
 
 def _fused(rank: int, world_size: int, scenario: Any, *args: Any) -> tuple[Any, Any]:

@@ -25,7 +25,12 @@ import torch.distributed as dist
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
 from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for
-from syncbn._kernels.generic import corrected_input_grad, output_offset
+from syncbn._kernels.generic import (
+    corrected_input_grad,
+    in_place_masked,
+    masked_input_grad,
+    output_offset,
+)
 
 __all__ = [
     "HostDivisors",
@@ -752,14 +757,19 @@ def backward_train(
             buffer = pack(sum_dy, sum_dy_xhat, options.layer.fingerprint)
     grad_input = None
     if need_input and fused is not None:
-        # one kernel for the header values and the corrections (the generic code runs three)
+        # one kernel for the header values and the corrections (the generic code runs
+        # three), or a masked call's slope and offset (seven)
         buffer = options.reducer.all_reduce(buffer, "backward")
-        corrections, header = fused.finalize_backward(buffer, saved)
+        if valid is not None and in_place_masked(grad_output, input, saved):
+            (slope, offset), header = fused.finalize_backward(buffer, saved, options.eps)
+            grad_input = masked_input_grad(grad_output, input, saved[2], slope, offset, valid)
+        else:
+            corrections, header = fused.finalize_backward(buffer, saved)
+            grad_input = corrected_input_grad(
+                grad_output, input, saved, options.eps, corrections, valid
+            )
         check = options.header_check("backward")
         _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
-        grad_input = corrected_input_grad(
-            grad_output, input, saved, options.eps, corrections, valid
-        )
     elif need_input:
         totals = synchronize_grads(buffer, options, saved.device)
         grad_input = kernels.input_grad(

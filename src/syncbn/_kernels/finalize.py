@@ -234,21 +234,36 @@ def pack_backward(
 
 
 def finalize_backward(
-    buffer: torch.Tensor, saved: torch.Tensor
+    buffer: torch.Tensor, saved: torch.Tensor, eps: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The corrections of :func:`syncbn._kernels.generic.input_grad` from an all-reduced
     backward buffer, ``(2, C)`` in ``saved``'s dtype (the global ``sum(dy)`` and
     ``sum(dy * xhat)`` converted to it, times ``saved``'s last row), and the buffer's
     :func:`syncbn._protocol.header_values` for :func:`syncbn._protocol.defer_check`: one
-    kernel where the generic code runs three."""
+    kernel where the generic code runs three.
+
+    Args:
+        eps: for a masked call's in-place gradient
+            (:func:`syncbn._kernels.generic.masked_input_grad`): then the rows are its
+            ``slope`` and ``offset``, computed from the corrections as the generic code
+            does (four kernels fewer); ``None``: the corrections.
+    """
     num_channels = saved.shape[1]
-    corrections = torch.empty(2, num_channels, dtype=saved.dtype, device=buffer.device)
+    rows = torch.empty(2, num_channels, dtype=saved.dtype, device=buffer.device)
     header = torch.empty(4, dtype=buffer.dtype, device=buffer.device)
+    masked = eps is not None
     with _on_device_of(buffer):
         _finalize_backward_kernel[(1,)](
-            buffer, saved, corrections, header, num_channels, BLOCK=_BLOCK
+            buffer,
+            saved,
+            rows,
+            header,
+            _epsilon(eps, buffer.device) if masked else buffer,  # (read only when masked)
+            num_channels,
+            MASKED_ROWS=masked,
+            BLOCK=_BLOCK,
         )
-    return corrections, header
+    return rows, header
 
 
 def _on_device_of(tensor: torch.Tensor) -> Any:
@@ -416,7 +431,14 @@ def _pack_backward_kernel(
 
 @triton.jit(do_not_specialize=["num_channels"])
 def _finalize_backward_kernel(
-    buffer, saved, corrections, header, num_channels, BLOCK: tl.constexpr
+    buffer,
+    saved,
+    rows,
+    header,
+    epsilon,
+    num_channels,
+    MASKED_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # type: ignore[no-untyped-def]
     # syncbn._protocol.header_values of a backward buffer: error, fingerprint sums, trailer
     tl.store(header, tl.load(buffer))
@@ -429,10 +451,24 @@ def _finalize_backward_kernel(
         channel = first + tl.arange(0, BLOCK)
         inside = channel < num_channels
         correction_scale = tl.load(saved + 3 * num_channels + channel, mask=inside, other=0.0)
-        for row in tl.static_range(2):
-            total = tl.load(buffer + 3 + row * num_channels + channel, mask=inside, other=0.0)
-            value = total.to(stat_type) * correction_scale
-            tl.store(corrections + row * num_channels + channel, value, mask=inside)
+        total = tl.load(buffer + 3 + channel, mask=inside, other=0.0)
+        correction_bias = total.to(stat_type) * correction_scale
+        total = tl.load(buffer + 3 + num_channels + channel, mask=inside, other=0.0)
+        correction_weight = total.to(stat_type) * correction_scale
+        if MASKED_ROWS:
+            # syncbn._kernels.generic.corrected_input_grad's slope and offset, in the
+            # statistics dtype: correction_weight * (var + eps).rsqrt(), then
+            # correction_bias - slope * mean
+            mean = tl.load(saved + channel, mask=inside, other=0.0)
+            var = tl.load(saved + num_channels + channel, mask=inside, other=1.0)
+            eps = tl.load(epsilon).to(stat_type)
+            slope = correction_weight * (1.0 / tl.sqrt(var + eps)).to(stat_type)
+            offset = correction_bias - slope * mean
+            tl.store(rows + channel, slope, mask=inside)
+            tl.store(rows + num_channels + channel, offset, mask=inside)
+        else:
+            tl.store(rows + channel, correction_bias, mask=inside)
+            tl.store(rows + num_channels + channel, correction_weight, mask=inside)
 
 
 @triton.jit(do_not_specialize=["num_channels", "shift_stride", "count", "fingerprint"])

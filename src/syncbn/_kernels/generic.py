@@ -26,8 +26,10 @@ __all__ = [
     "corrected_input_grad",
     "dense_format",
     "first_valid_sample",
+    "in_place_masked",
     "input_grad",
     "local_moments",
+    "masked_input_grad",
     "normalize",
     "output_format",
     "output_offset",
@@ -428,15 +430,11 @@ def corrected_input_grad(
     mean, var, scale, _ = saved.unbind()
     correction_bias, correction_weight = corrections
     ndim = input.dim()
-    if valid is not None and input.dtype == grad_output.dtype == scale.dtype:
+    if valid is not None and in_place_masked(grad_output, input, saved):
         # batch_norm(x, w, b, mean, var) is x * a + (b - a * mean) with a = w / sqrt(var + eps)
         slope = correction_weight * (var + eps).rsqrt()
         offset = torch.addcmul(correction_bias, slope, mean, value=-1)
-        return (
-            grad_output.mul_(channel_view(scale, ndim))
-            .addcmul_(input, channel_view(slope, ndim))
-            .addcmul_(valid.to(scale.dtype), channel_view(offset, ndim))
-        )
+        return masked_input_grad(grad_output, input, scale, slope, offset, valid)
     correction = torch.batch_norm(
         input, correction_weight, correction_bias, mean, var, False, 0.0, eps, False
     )
@@ -445,3 +443,32 @@ def corrected_input_grad(
         scale = scale.to(grad_output.dtype)
     grad_input = correction.addcmul_(grad_output, channel_view(scale, ndim))
     return grad_input if valid is None else zero_padded(grad_input, valid, inplace=True)
+
+
+def in_place_masked(grad_output: torch.Tensor, input: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether a masked call's input gradient is :func:`masked_input_grad`'s three passes
+    in the zeroed output gradient: when the gradient, the backward's input and the saved
+    statistics share one dtype (else it takes :func:`corrected_input_grad`'s other passes
+    and is zeroed after them)."""
+    return input.dtype == grad_output.dtype == saved.dtype
+
+
+def masked_input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    scale: torch.Tensor,
+    slope: torch.Tensor,
+    offset: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """``dy * scale + x * slope + valid * offset`` in place in ``grad_output`` (zero at
+    padded positions, where both ``dy`` and ``x`` are): a masked call's input gradient
+    (see :func:`input_grad`), given the per-channel ``(C,)`` ``slope`` and ``offset`` of
+    its corrections (``slope = correction_weight / sqrt(var + eps)`` and
+    ``offset = correction_bias - slope * mean``)."""
+    ndim = input.dim()
+    return (
+        grad_output.mul_(channel_view(scale, ndim))
+        .addcmul_(input, channel_view(slope, ndim))
+        .addcmul_(valid.to(scale.dtype), channel_view(offset, ndim))
+    )
