@@ -193,8 +193,10 @@ def pack_forward(
         moments = generic.local_moments(input, valid)
         buffer = _protocol.pack_forward(0, moments.total, moments.square_total, fingerprint)
         return moments, buffer
-    shifted_sum, shifted_square_sum, shift, centered, counted = generic.shifted_sums(input, valid)
-    count: int | torch.Tensor = input.numel() // num_channels if counted is None else counted
+    shifted_sum, shifted_square_sum, shift, centered, valid_count = generic.shifted_sums(
+        input, valid
+    )
+    count = input.numel() // num_channels  # (a masked batch's is valid_count)
     buffer = torch.empty(
         _protocol.forward_size(num_channels), dtype=torch.float64, device=shifted_sum.device
     )
@@ -204,17 +206,18 @@ def pack_forward(
             shifted_square_sum,
             shift,
             buffer,
-            buffer if counted is None else counted,  # a pointer read only for a masked batch
+            buffer if valid_count is None else valid_count,  # read only for a masked batch
             num_channels,
             shift.stride(0),
-            count if counted is None else 0,
+            count,
             fingerprint,
             COUNT_SLOT=_protocol.COUNT_SLOT,
-            COUNT_IN_TENSOR=counted is not None,
+            COUNT_IN_TENSOR=valid_count is not None,
             BLOCK=_BLOCK,
         )
     total, square_total = _protocol.forward_sums(buffer).unbind()
-    return LocalMoments(total, square_total, shift, centered, count), buffer
+    local_count = count if valid_count is None else valid_count
+    return LocalMoments(total, square_total, shift, centered, local_count), buffer
 
 
 def pack_backward(
