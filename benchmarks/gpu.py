@@ -190,23 +190,34 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
             def call(layer: nn.Module = layer, x: torch.Tensor = x, dy: torch.Tensor = dy) -> None:
                 torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
 
-            # "syncbn-fused": the same layer on syncbn._kernels.cuda (float32 rows; lower
-            # precision keeps the generic passes); "syncbn-finalize": the same layer with
-            # syncbn._kernels.finalize (deferred calls: Triton kernels for the
-            # per-channel maths); candidates until measured faster
-            _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
-            try:
-                _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
-                row[kind] = _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
-            except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
-                if kind != "syncbn-finalize":
-                    raise
-                row[kind] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-            finally:
-                _kernels.use_device_kernels("cuda", enabled=False)
-                _kernels.use_fused_finalize("cuda", enabled=False)
+            def measure(call: Callable[[], None] = call) -> dict[str, Any]:
+                return _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+
+            row[kind] = _measured_with(kind, measure)
         rows.append(row)
     return rows
+
+
+def _measured_with(kind: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()`` with the kernels of ``kind`` on for CUDA, switched off after it.
+
+    ``"syncbn-fused"``: syncbn._kernels.cuda (float32 rows; lower precision keeps the
+    generic passes); ``"syncbn-finalize"``: syncbn._kernels.finalize (deferred calls:
+    Triton kernels for the per-channel maths), whose failure (no Triton, a compilation) is
+    a result, recorded as ``{"error": ...}``; candidates until measured faster. Any other
+    kind: the generic kernels.
+    """
+    _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
+    try:
+        _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
+        return measure()
+    except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
+        if kind != "syncbn-finalize":
+            raise
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    finally:
+        _kernels.use_device_kernels("cuda", enabled=False)
+        _kernels.use_fused_finalize("cuda", enabled=False)
 
 
 def _resnet50_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -316,20 +327,7 @@ def _masked_rows(
                         y = layer(x, call_mask)
                         torch.autograd.grad(y, (x, *layer.parameters()), dy)
 
-                    _kernels.use_device_kernels("cuda", enabled=kernels == "syncbn-fused")
-                    try:
-                        if kernels == "syncbn-finalize":
-                            _kernels.use_fused_finalize("cuda")
-                        row[f"{kernels} {name}"] = timer(call)
-                    except Exception as error:  # noqa: BLE001 - the candidate's failure is a result
-                        if kernels != "syncbn-finalize":
-                            raise
-                        row[f"{kernels} {name}"] = {
-                            "error": f"{type(error).__name__}: {str(error)[:200]}"
-                        }
-                    finally:
-                        _kernels.use_device_kernels("cuda", enabled=False)
-                        _kernels.use_fused_finalize("cuda", enabled=False)
+                    row[f"{kernels} {name}"] = _measured_with(kernels, lambda: timer(call))
             rows.append(row)
     return rows
 
