@@ -225,14 +225,12 @@ def local_moments(input: torch.Tensor, valid: torch.Tensor | None = None) -> Loc
     if count == 0:
         zeros = input.new_zeros(num_channels, dtype=_PACK_DTYPE)
         return LocalMoments(zeros, zeros.clone(), zeros, None, 0)
-    if valid is None:
-        centered, shift = _center(input)
-    else:
-        count, centered, shift = _center_valid(input, valid)
-    shifted_sum, shifted_square_sum = _sums(centered, shift)
+    shifted_sum, shifted_square_sum, shift, centered, valid_count = shifted_sums(input, valid)
+    if valid_count is not None:
+        count = valid_count
     # the sums stay in the statistics dtype: the float64 shift promotes the maths that
     # adds it back to float64, inside those kernels
-    shift = shift.view(num_channels).to(_PACK_DTYPE)
+    shift = shift.to(_PACK_DTYPE)
     total, square_total = unshifted_sums(shifted_sum, shifted_square_sum, shift, count)
     return LocalMoments(total, square_total, shift, centered, count)
 
