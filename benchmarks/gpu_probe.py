@@ -17,6 +17,12 @@
    30 most expensive functions by own time (``prof-*.txt``), and ``torch.profiler``'s table
    of 20 calls, host time per aten op and CUDA runtime call with counts (``ops-*.txt``),
    per dtype, layout and check mode, and with ``syncbn._kernels.finalize`` (``-fused``).
+3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
+   ~2.2 ms into its causes: host time per aten op (a small in-place add), per nccl
+   ``all_reduce`` of a forward buffer at world size 1, per Triton launch (a kernel of one
+   argument, and one of 24 like the finalize kernels'), and a cuDNN BatchNorm call; and
+   per profiled variant, the aten calls and kernels one call issues (counted by
+   ``tests/test_op_budget.py``'s dispatch mode) with the host time they predict.
 
 Usage::
 
@@ -47,6 +53,7 @@ from syncbn._cli.launch import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _gold  # noqa: E402  (the gold case's data, from the tests)
+from test_op_budget import _Ops  # noqa: E402  (the op budget's count of aten calls)
 
 __all__ = ["main"]
 
@@ -163,7 +170,85 @@ def probe_bf16_on_ranks(device: torch.device, say: Callable[[str], None]) -> Non
             say(f"gloo rank {rank}, {name}: bias gradient error {errors}")
 
 
-def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -> None:
+def _host_us(fn: Callable[[], object], calls: int, synchronize: Callable[[], None]) -> float:
+    """Host time per call of ``fn`` in microseconds: ``calls`` calls without waiting (after
+    as many to warm up), then one wait for the device outside the timing."""
+    for _ in range(calls):
+        fn()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    synchronize()
+    return host * 1e6
+
+
+def _triton_launchers(device: torch.device) -> dict[str, Callable[[], object]] | None:
+    """Launches of two trivial Triton kernels (1 and 24 arguments, the finalize kernels'
+    order of magnitude), or ``None`` where Triton or a GPU is missing."""
+    if device.type != "cuda":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def one_argument(x_ptr):  # type: ignore[no-untyped-def]
+        tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+    @triton.jit
+    def many_arguments(  # type: ignore[no-untyped-def]
+        x_ptr, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16,
+        n1, n2, n3, n4, n5, n6, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+    x = torch.zeros(8, device=device)
+    pointers = [torch.zeros(8, device=device) for _ in range(16)]
+    numbers = [3, 5, 7, 11, 13, 17]
+    return {
+        "triton launch, 1 argument": lambda: one_argument[(1,)](x),
+        "triton launch, 24 arguments": lambda: many_arguments[(1,)](
+            x, *pointers, *numbers, BLOCK=16
+        ),
+    }
+
+
+def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, float]:
+    """Host microseconds per unit of work on this machine (see the module's docstring)."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    small = torch.zeros(256, device=device)
+    buffer = torch.zeros(2 * 256 + 6, dtype=torch.float64, device=device)
+    bn = torch.nn.BatchNorm2d(256).to(device)
+    x = torch.randn(32, 256, 14, 14, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    units: dict[str, Callable[[], object]] = {
+        "aten op (in-place add of 256 values)": lambda: small.add_(1.0),
+        "all_reduce of a forward buffer (518 float64)": lambda: dist.all_reduce(buffer),
+        "torch BatchNorm2d forward+backward (cuDNN on CUDA), 32x256x14x14": lambda: (
+            torch.autograd.grad(bn(x), (x, *bn.parameters()), dy)
+        ),
+    }
+    try:
+        units.update(_triton_launchers(device) or {})
+    except Exception as error:  # noqa: BLE001 - reported; the other units still count
+        say(f"calibrate: triton launchers failed: {type(error).__name__}: {error}")
+    costs = {}
+    for name, fn in units.items():
+        try:
+            costs[name] = _host_us(fn, 200, synchronize)
+            say(f"calibrate: {name}: {costs[name]:.1f} us host per call")
+        except Exception as error:  # noqa: BLE001 - reported; the other units still count
+            say(f"calibrate: {name}: failed: {type(error).__name__}: {error}")
+    return costs
+
+
+def profile_calls(
+    device: torch.device, out: Path, say: Callable[[str], None], costs: dict[str, float]
+) -> None:
     """Host time of eager forward+backward calls, and cProfile's view of it; a variant that
     fails (the fused kernel's first compilation, say) is reported and the others still run."""
     for dtype, channels_last, mode, fused in (
@@ -177,7 +262,7 @@ def profile_calls(device: torch.device, out: Path, say: Callable[[str], None]) -
         # fused: syncbn._kernels.finalize (Triton kernels around the collectives)
         try:
             _kernels.use_fused_finalize(device.type, enabled=fused)
-            _profile(device, dtype, channels_last, mode, out / name, say)
+            _profile(device, dtype, channels_last, mode, out / name, say, costs)
         except Exception as error:  # noqa: BLE001 - reported, and the next variant runs
             say(f"32x256x14x14 {name}: failed: {type(error).__name__}: {error}")
         finally:
@@ -191,6 +276,7 @@ def _profile(
     mode: str,
     stem: Path,
     say: Callable[[str], None],
+    costs: dict[str, float],
 ) -> None:
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     layer = syncbn.SyncBatchNorm(256).to(device)
@@ -235,6 +321,13 @@ def _profile(
     table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     stem.with_name(f"ops-{stem.name}.txt").write_text(table)
     say(f"32x256x14x14 {stem.name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
+    with _Ops() as counted:
+        call()
+    synchronize()
+    calls, kernels = len(counted.names), len(counted.kernels)
+    per_op = costs.get("aten op (in-place add of 256 values)")
+    predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
+    say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
     say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
 
 
@@ -258,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             probe_bf16(device, say)
             probe_bf16_on_ranks(device, say)  # the failing tests' transport: gloo, CUDA tensors
-            profile_calls(device, args.out, say)
+            costs = calibrate(device, say)
+            profile_calls(device, args.out, say, costs)
         finally:
             dist.destroy_process_group()
     return 0

@@ -426,6 +426,17 @@ def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
     assert sum(line.startswith("| 4x3x5 |") for line in table) == len(gpu.MASKED_DTYPES)
 
 
+def test_gpu_probe_calibrates_host_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu_probe.py's calibration on the CPU (no Triton launches there; the
+    all_reduce made local): a positive host time per unit of work, one line each."""
+    probe = _load("gpu_probe")
+    monkeypatch.setattr(probe.dist, "all_reduce", lambda buffer: buffer)
+    lines: list[str] = []
+    costs = probe.calibrate(torch.device("cpu"), lines.append)
+    assert len(costs) == 3 and all(cost > 0 for cost in costs.values()), costs
+    assert [line.endswith("us host per call") for line in lines] == [True] * 3, lines
+
+
 def test_gpu_results_of_every_part_render() -> None:
     """benchmarks/gpu.py's tables from results shaped as its GPU parts return them (which
     no CPU run produces): every part's table is drawn, and a variant that failed is shown
