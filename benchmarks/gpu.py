@@ -203,16 +203,20 @@ def _measured_with(kind: str, measure: Callable[[], dict[str, Any]]) -> dict[str
 
     ``"syncbn-fused"``: syncbn._kernels.cuda (float32 rows; lower precision keeps the
     generic passes); ``"syncbn-finalize"``: syncbn._kernels.finalize (deferred calls:
-    Triton kernels for the per-channel maths), whose failure (no Triton, a compilation) is
-    a result, recorded as ``{"error": ...}``; candidates until measured faster. Any other
-    kind: the generic kernels.
+    Triton kernels for the per-channel maths, and for a masked call's passes over the
+    data: syncbn._kernels.masked_passes), ``"syncbn-finalize-generic-passes"`` the same
+    with the generic kernels' masked passes; a Triton kind's failure (no Triton, a
+    compilation) is a result, recorded as ``{"error": ...}``; candidates until measured
+    faster. Any other kind: the generic kernels.
     """
     _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
+    triton_kind = kind.startswith("syncbn-finalize")
     try:
-        _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
+        passes = kind == "syncbn-finalize"
+        _kernels.use_fused_finalize("cuda", enabled=triton_kind, masked_passes=passes)
         return measure()
     except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
-        if kind != "syncbn-finalize":
+        if not triton_kind:
             raise
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     finally:
@@ -293,7 +297,7 @@ MASKED_SHAPES = [(32, 64, 112, 112), (32, 512, 28, 28), (32, 2048, 7, 7), (32, 2
 MASKED_VALID = 0.8
 MASKED_DTYPES = ("float32", "bfloat16")
 #: the masked part's kernel sets (see :func:`_masked_rows`)
-MASKED_KERNELS = ("syncbn", "syncbn-fused", "syncbn-finalize")
+MASKED_KERNELS = ("syncbn", "syncbn-fused", "syncbn-finalize-generic-passes", "syncbn-finalize")
 
 
 def _masked_rows(
@@ -305,8 +309,9 @@ def _masked_rows(
     """Per shape and dtype, ``timer``'s numbers for an unmasked and a masked call of a
     synchronized layer, on the generic kernels (``syncbn``), the fused ones
     (``syncbn-fused``; they apply to CUDA tensors only) and with the Triton candidate
-    (``syncbn-finalize``: deferred calls' per-channel maths, masked ones too), whose failure
-    (no Triton, a compilation) is recorded in its cells."""
+    (``syncbn-finalize``: deferred calls' per-channel maths, and a masked call's passes;
+    ``syncbn-finalize-generic-passes``: with the generic kernels' masked passes), whose
+    failure (no Triton, a compilation) is recorded in its cells."""
     rows = []
     for shape in shapes:
         for dtype in MASKED_DTYPES:
@@ -495,8 +500,9 @@ def _render_masked(rows: list[dict[str, Any]]) -> list[str]:
         "forward+backward, eager (device ms per call; target: masked <= 1.3x unmasked)",
         "",
         "| shape | dtype | generic unmasked | generic masked | ratio | fused unmasked "
-        "| fused masked | ratio | finalize unmasked | finalize masked | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fused masked | ratio | finalize unmasked | finalize, generic passes masked | ratio "
+        "| finalize unmasked | finalize, Triton passes masked | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         cells = []

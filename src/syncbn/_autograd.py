@@ -389,6 +389,10 @@ class ForwardResult(NamedTuple):
     backward_input: torch.Tensor
     #: ``(N, 1, *)`` bool, True at the valid positions of a masked call; ``None`` unmasked
     valid: torch.Tensor | None = None
+    #: a masked call whose passes are :mod:`syncbn._kernels.masked_passes`' (Triton): its
+    #: ``(C,)`` shift, which backward subtracts from :attr:`backward_input`, the input
+    #: itself (the kernels read only its valid positions); ``None`` for the other calls
+    shift: torch.Tensor | None = None
 
 
 def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -657,7 +661,9 @@ def _forward_on_fused_kernel(
     kernel for the checks and the per-channel maths that :func:`reduce_forward`,
     :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
     then the output pass (unmasked: one ``addcmul`` where the generic kernels make two
-    passes; masked: the generic kernels' pass, zero at padded positions).
+    passes; masked: :mod:`syncbn._kernels.masked_passes`' pass where it takes the input
+    (:func:`syncbn._kernels.finalize.takes_masked_passes`), else the generic kernels',
+    zero at padded positions).
 
     Args:
         update_dtype: as :func:`reduce_forward`'s: the running statistics' dtype.
@@ -668,8 +674,11 @@ def _forward_on_fused_kernel(
     if options.momentum is not None or num_batches_tracked is None:
         factor = 0.0 if options.momentum is None else options.momentum
         counted = counted_update(factor, buffer.device, update_dtype)
-    saved_input, centered_mean = input, False
-    if valid is not None:
+    saved_input, centered_mean, shift = input, False, None
+    if fused.takes_masked_passes(input, valid):
+        # backward reads the input itself, and the shift (saved[0] is then mean - shift)
+        centered_mean, shift = True, moments.shift
+    elif valid is not None:
         saved_input, centered_mean = backward_input(input, moments, valid)
     saved, offset, header = fused.finalize_forward(
         buffer,
@@ -689,12 +698,15 @@ def _forward_on_fused_kernel(
     check = options.header_check("forward", tuple(input.shape))
     _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
     centered = moments.centered
-    if valid is None and centered is not None and input.dtype == saved.dtype:
+    if shift is not None and valid is not None:
+        output = fused.masked_passes.normalize(input, valid, shift, saved[2], offset)
+    elif valid is None and centered is not None and input.dtype == saved.dtype:
         output = fused.normalize(centered, saved[2], offset)  # float32, float64 input
     else:  # masked, low precision (the generic kernels' batch_norm), or an empty batch
         kernels = kernels_for(input.device)
         output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
-    return ForwardResult(output, saved, _protocol.count_slot(buffer), saved_input, valid)
+    count = _protocol.count_slot(buffer)
+    return ForwardResult(output, saved, count, saved_input, valid, shift)
 
 
 def backward_input(
@@ -724,6 +736,7 @@ def backward_train(
     options: TrainOptions,
     valid: torch.Tensor | None = None,
     create_graph: bool = False,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of input, weight and bias (``None`` where ``needs_grad`` is false).
 
@@ -738,6 +751,9 @@ def backward_train(
 
     Args:
         saved: :attr:`ForwardResult.saved`: its mean is that of ``input``.
+        shift: :attr:`ForwardResult.shift`: a masked call whose forward took
+            :mod:`syncbn._kernels.masked_passes`, and so does its backward (with
+            :mod:`syncbn._kernels.finalize`, whatever is switched on since).
     """
     need_input, need_weight, need_bias = needs_grad
     mean, var = saved[0], saved[1]
@@ -746,12 +762,25 @@ def backward_train(
     if need_input:  # before the collective, as in forward (see resolve_mode)
         if resolve_mode(options, saved.device) == "deferred":
             fused = fused_finalize_for(saved.device)  # a candidate, off by default
+    passes = epsilon = None  # syncbn._kernels.masked_passes, where the forward took them
+    if shift is not None:
+        from syncbn._kernels import finalize  # (Triton: imported by the forward already)
+
+        passes, epsilon = finalize.masked_passes, finalize.epsilon(options.eps, saved.device)
+        fused = finalize if need_input else None
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if create_graph:
             raise double_backward_error()
-        if valid is not None:
-            grad_output = kernels.zero_padded(grad_output, valid)
-        sum_dy, sum_dy_xhat = kernels.backward_reduce(grad_output, input, mean, var, options.eps)
+        if passes is not None and shift is not None and valid is not None:
+            sum_dy, sum_dy_xhat = passes.backward_reduce(
+                grad_output, input, valid, shift, saved, epsilon
+            )
+        else:
+            if valid is not None:
+                grad_output = kernels.zero_padded(grad_output, valid)
+            sum_dy, sum_dy_xhat = kernels.backward_reduce(
+                grad_output, input, mean, var, options.eps
+            )
         if need_input:
             pack = _protocol.pack_backward if fused is None else fused.pack_backward
             buffer = pack(sum_dy, sum_dy_xhat, options.layer.fingerprint)
@@ -760,7 +789,12 @@ def backward_train(
         # one kernel for the header values and the corrections (the generic code runs
         # three), or a masked call's slope and offset (seven)
         buffer = options.reducer.all_reduce(buffer, "backward")
-        if valid is not None and in_place_masked(grad_output, input, saved):
+        if passes is not None and shift is not None and valid is not None:
+            (slope, offset), header = fused.finalize_backward(buffer, saved, options.eps)
+            grad_input = passes.input_grad(
+                grad_output, input, valid, shift, saved[2], slope, offset
+            )
+        elif valid is not None and in_place_masked(grad_output, input, saved):
             (slope, offset), header = fused.finalize_backward(buffer, saved, options.eps)
             grad_input = masked_input_grad(grad_output, input, saved[2], slope, offset, valid)
         else:
@@ -812,7 +846,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
-        ctx.save_for_backward(result.backward_input, result.saved, result.valid)
+        ctx.save_for_backward(result.backward_input, result.saved, result.valid, result.shift)
         ctx.count = result.global_count
         ctx.options = options
         ctx.param_dtypes = (
@@ -827,7 +861,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         # grad mode is on in backward exactly when it runs with create_graph=True
         create_graph = torch.is_grad_enabled()
-        input, saved, valid = ctx.saved_tensors
+        input, saved, valid, shift = ctx.saved_tensors
         with torch.no_grad():
             grad_input, grad_weight, grad_bias = backward_train(
                 grad_output,
@@ -838,6 +872,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 ctx.options,
                 valid,
                 create_graph,
+                shift,
             )
         weight_dtype, bias_dtype = ctx.param_dtypes
         return (

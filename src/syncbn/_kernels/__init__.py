@@ -16,7 +16,10 @@ shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a
 
 Around its collectives a deferred call (the accelerators' mode) runs ~35 tiny ops (the
 packing, the checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in
-four Triton kernels, another candidate, which :func:`use_fused_finalize` selects.
+four Triton kernels, another candidate, which :func:`use_fused_finalize` selects. With it,
+a masked call's passes over the data are :mod:`syncbn._kernels.masked_passes`' Triton
+kernels, which read only the valid positions (the generic kernels zero the others in
+extra passes).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "LocalMoments",
     "fused_finalize_for",
     "kernels_for",
+    "masked_passes_on",
     "use_device_kernels",
     "use_fused_finalize",
 ]
@@ -113,16 +117,22 @@ def kernels_for(device: torch.device) -> Kernels:
     return _BY_DEVICE_TYPE.get(device.type, generic)  # type: ignore[return-value]
 
 
-#: device types whose deferred calls use :mod:`syncbn._kernels.finalize` (a candidate)
-_FUSED_FINALIZE: set[str] = set()
+#: device types whose deferred calls use :mod:`syncbn._kernels.finalize` (a candidate),
+#: and whether their masked calls' passes are :mod:`syncbn._kernels.masked_passes`'
+_FUSED_FINALIZE: dict[str, bool] = {}
 
 
-def use_fused_finalize(device_type: str, enabled: bool = True) -> None:
+def use_fused_finalize(device_type: str, enabled: bool = True, masked_passes: bool = True) -> None:
     """Use (or stop using) :mod:`syncbn._kernels.finalize`, Triton kernels for a deferred
     call's checks, per-channel maths and packing, for ``device_type`` in this process.
 
     For the tests (``"cpu"``, under Triton's interpreter) and the GPU benchmarks that
     compare it with the generic maths.
+
+    Args:
+        masked_passes: a masked call's passes over the data are then
+            :mod:`syncbn._kernels.masked_passes`' Triton kernels too (``False``: the
+            generic kernels', for the benchmarks that tell both apart).
 
     Raises:
         ImportError: if Triton is not installed.
@@ -130,9 +140,15 @@ def use_fused_finalize(device_type: str, enabled: bool = True) -> None:
     if enabled:
         from syncbn._kernels import finalize  # noqa: F401  (imports Triton, or raises)
 
-        _FUSED_FINALIZE.add(device_type)
+        _FUSED_FINALIZE[device_type] = masked_passes
     else:
-        _FUSED_FINALIZE.discard(device_type)
+        _FUSED_FINALIZE.pop(device_type, None)
+
+
+def masked_passes_on(device: torch.device) -> bool:
+    """Whether a deferred masked call on ``device`` may take
+    :mod:`syncbn._kernels.masked_passes` (see :func:`use_fused_finalize`)."""
+    return _FUSED_FINALIZE.get(device.type, False)
 
 
 def fused_finalize_for(device: torch.device) -> ModuleType | None:

@@ -24,8 +24,10 @@ the sums, the correction pass and the gradient in backward.
 
 Deferred calls take them (an immediate call's count is a number on the host), masked ones
 too: their count of valid positions is a tensor that the packing kernel reads on the
-device, and their passes over the data stay the generic kernels' (zero at padded
-positions).
+device, and their passes over the data are :mod:`syncbn._kernels.masked_passes`' Triton
+kernels (:func:`takes_masked_passes`: a contiguous or channels-last input), which read
+only the valid positions and save no shifted copy; other strides keep the generic
+kernels' masked passes.
 They are a candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns them on
 for a device type, until a GPU run measures them faster (``benchmarks/gpu.py``, variant
 ``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
@@ -45,17 +47,20 @@ import torch
 import triton
 import triton.language as tl
 
-from syncbn import _protocol
-from syncbn._kernels import generic
+from syncbn import _kernels, _protocol
+from syncbn._kernels import generic, masked_passes
 from syncbn._kernels.generic import LocalMoments
 
 __all__ = [
     "applies",
+    "epsilon",
     "finalize_backward",
     "finalize_forward",
+    "masked_passes",
     "normalize",
     "pack_backward",
     "pack_forward",
+    "takes_masked_passes",
 ]
 
 #: channels per block of the kernel's loop (one program does them all)
@@ -78,8 +83,18 @@ def applies(
     return all(t is None or t.is_contiguous() for t in tensors)
 
 
+def takes_masked_passes(input: torch.Tensor, valid: torch.Tensor | None) -> bool:
+    """Whether a call's passes over the data are :mod:`syncbn._kernels.masked_passes`'
+    Triton kernels: a masked call whose input they take, on a device for which they are on
+    (:func:`syncbn._kernels.use_fused_finalize`). Its backward then reads the input itself,
+    and the shift (:attr:`syncbn._autograd.ForwardResult.shift`)."""
+    if valid is None or not _kernels.masked_passes_on(input.device):
+        return False
+    return masked_passes.applies(input)
+
+
 @functools.lru_cache(maxsize=64)
-def _epsilon(eps: float, device: torch.device) -> torch.Tensor:
+def epsilon(eps: float, device: torch.device) -> torch.Tensor:
     """``eps`` in float64 on ``device``: Triton would pass a Python float as float32."""
     return _protocol.on_device([eps], torch.float64, device)
 
@@ -140,7 +155,7 @@ def finalize_forward(
             running_var if running else unused,
             num_batches_tracked if num_batches_tracked is not None else unused,
             unused if counted_update is None else counted_update,
-            _epsilon(eps, buffer.device),
+            epsilon(eps, buffer.device),
             saved,
             offset,
             header,
@@ -186,16 +201,27 @@ def pack_forward(
     Returns:
         The moments, whose ``total`` and ``square_total`` are views into the buffer (which
         the collective then sums in place) and whose ``shift`` is in the statistics dtype
-        (a strided view of the input where it can be), and the buffer.
+        (a strided view of the input where it can be), and the buffer. Where
+        :func:`takes_masked_passes`, the sums are those of
+        :func:`syncbn._kernels.masked_passes.shifted_sums`, and there is no shifted copy
+        (``centered`` is ``None``).
     """
     num_channels = input.shape[1]
     if input.numel() == 0:  # nothing to sum: the generic code's zeros
         moments = generic.local_moments(input, valid)
         buffer = _protocol.pack_forward(0, moments.total, moments.square_total, fingerprint)
         return moments, buffer
-    shifted_sum, shifted_square_sum, shift, centered, valid_count = generic.shifted_sums(
-        input, valid
-    )
+    valid_count: torch.Tensor | None
+    centered: torch.Tensor | None
+    if valid is not None and takes_masked_passes(input, valid):
+        valid_count = valid.sum(dtype=torch.float64)
+        shift = masked_passes.shift_of(input, valid)
+        shifted_sum, shifted_square_sum = masked_passes.shifted_sums(input, valid, shift)
+        centered = None
+    else:
+        shifted_sum, shifted_square_sum, shift, centered, valid_count = generic.shifted_sums(
+            input, valid
+        )
     count = input.numel() // num_channels  # (a masked batch's is valid_count)
     buffer = torch.empty(
         _protocol.forward_size(num_channels), dtype=torch.float64, device=shifted_sum.device
@@ -261,7 +287,7 @@ def finalize_backward(
             saved,
             rows,
             header,
-            _epsilon(eps, buffer.device) if masked else buffer,  # (read only when masked)
+            epsilon(eps, buffer.device) if masked else buffer,  # (read only when masked)
             num_channels,
             MASKED_ROWS=masked,
             BLOCK=_BLOCK,

@@ -1,0 +1,422 @@
+"""Triton kernels for a masked call's passes over the data: the deferred (GPU) path's
+counterpart of the generic kernels' masked passes.
+
+With torch ops a masked call makes more passes than an unmasked one, because padded
+positions may hold anything (NaN included, which a multiplication by zero keeps): the
+generic kernels write a shifted copy that is zero there (and save it for backward), zero
+the output's offset there, and zero the output gradient before its sums. Counting a read
+or a write of the whole tensor as one, a masked forward moves 9 tensors and its backward
+11, where an unmasked call moves 7 and 7. These kernels read the data only where it is
+valid (a masked load never reads a padded position) and move 3 in forward (the input
+twice, the output once) and 5 in backward (the output gradient and the input twice each,
+the input gradient once), without a shifted copy: backward reads the input itself.
+
+- :func:`shifted_sums`: per channel, the sums of ``x - shift`` and of its squares over
+  the valid positions, in the statistics dtype (float32 partial sums per share of the
+  tiles, then their sum), as :func:`syncbn._kernels.generic.shifted_sums` takes them;
+- :func:`normalize`: ``(x - shift) * scale + offset`` where valid, 0 elsewhere;
+- :func:`backward_reduce`: ``sum(dy)`` and ``sum(dy * xhat)`` over the valid positions,
+  with ``xhat = (x - shift - centered_mean) / sqrt(var + eps)`` (the centered mean
+  ``mean - shift`` is small, so a float32 input whose mean is large against its spread
+  loses nothing);
+- :func:`input_grad`: ``dy * scale + (x - shift) * slope + offset`` where valid, 0
+  elsewhere, with the slope and offset of
+  :func:`syncbn._kernels.finalize.finalize_backward`'s masked rows.
+
+Every value is computed in the statistics dtype (float32, or float64 for a float64 input)
+and stored in the input's. They take a non-empty input that is contiguous or channels
+last (:func:`applies`); :mod:`syncbn._autograd` gives the others to the generic kernels.
+Like :mod:`syncbn._kernels.finalize`, whose calls they join, they are a candidate until a
+GPU run measures them; on the CPU the tests run them through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from syncbn._kernels.generic import dense_format, first_valid_sample
+from syncbn._stats import stat_dtype
+
+__all__ = [
+    "applies",
+    "backward_reduce",
+    "input_grad",
+    "normalize",
+    "shift_of",
+    "shifted_sums",
+]
+
+#: channels and positions of one program's tile
+_BLOCK_C = 16
+_BLOCK_L = 64
+#: about how many programs share a reduction (a few per multiprocessor of a large GPU)
+_REDUCTION_PROGRAMS = 512
+
+
+def applies(input: torch.Tensor) -> bool:
+    """Whether these kernels take ``input``: a non-empty ``(N, C, *)`` batch, contiguous or
+    channels last (the generic kernels take any strides)."""
+    return input.numel() > 0 and dense_format(input) is not None
+
+
+class _Layout(NamedTuple):
+    """An ``(N, C, *)`` batch seen as ``(samples, C, positions)``: the kernels' indexing."""
+
+    samples: int
+    channels: int
+    positions: int
+    channel_stride: int
+    position_stride: int
+    format: torch.memory_format
+
+
+def _layout(input: torch.Tensor) -> _Layout:
+    """``input`` as ``(samples, C, L)`` with its positions flattened, in its memory format.
+
+    The strides are the format's own (those of a tensor that ``is_contiguous`` in it, for
+    every dimension longer than 1; a dimension of length 1 is only ever indexed at 0). A
+    ``(N, C)`` batch is one sample of ``N`` positions whose channels are adjacent: its
+    tiles then span samples, not one sample each.
+    """
+    format = dense_format(input)
+    assert format is not None, "applies() is the caller's test"
+    num_samples, num_channels = input.shape[:2]
+    if input.dim() == 2:
+        return _Layout(1, num_channels, num_samples, 1, num_channels, format)
+    length = math.prod(input.shape[2:])
+    if format == torch.contiguous_format:
+        return _Layout(num_samples, num_channels, length, length, 1, format)
+    return _Layout(num_samples, num_channels, length, 1, num_channels, format)
+
+
+def _positions(valid: torch.Tensor) -> torch.Tensor:
+    """``valid`` (``(N, 1, *)`` bool, maybe expanded) as ``(N * L,)`` bytes, 1 where valid."""
+    return valid.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _reduced(
+    kernel: Any, input: torch.Tensor, dtype: torch.dtype, *leading: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reduction kernel's two ``(C,)`` rows of sums: each program sums a block of
+    channels over a share of the tiles (a sample's block of positions) into ``partials``,
+    then torch sums the shares.
+
+    Args:
+        leading: the kernel's arguments before ``partials`` (the layout's follow it).
+    """
+    num_samples, num_channels, length, channel_stride, position_stride, _ = _layout(input)
+    channel_blocks = triton.cdiv(num_channels, _BLOCK_C)
+    position_blocks = triton.cdiv(length, _BLOCK_L)
+    tiles = num_samples * position_blocks
+    shares = max(1, min(tiles, _REDUCTION_PROGRAMS // channel_blocks))
+    tiles_per_share = triton.cdiv(tiles, shares)
+    partials = torch.empty(shares, 2, num_channels, dtype=dtype, device=input.device)
+    kernel[(channel_blocks, shares)](
+        *leading,
+        partials,
+        tiles,
+        num_channels,
+        length,
+        channel_stride,
+        position_stride,
+        position_blocks,
+        tiles_per_share,
+        BLOCK_C=_BLOCK_C,
+        BLOCK_L=_BLOCK_L,
+    )
+    first, second = partials.sum(0).unbind()
+    return first, second
+
+
+def _mapped(kernel: Any, input: torch.Tensor, *leading: Any) -> torch.Tensor:
+    """An element-wise kernel's result: a new tensor of ``input``'s shape, dtype and memory
+    format, one program per sample, block of positions and block of channels.
+
+    Args:
+        leading: the kernel's arguments before the result (the layout's follow it).
+    """
+    num_samples, num_channels, length, channel_stride, position_stride, format = _layout(input)
+    result = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=format)
+    position_blocks = triton.cdiv(length, _BLOCK_L)
+    kernel[(num_samples * position_blocks, triton.cdiv(num_channels, _BLOCK_C))](
+        *leading,
+        result,
+        num_channels,
+        length,
+        channel_stride,
+        position_stride,
+        position_blocks,
+        BLOCK_C=_BLOCK_C,
+        BLOCK_L=_BLOCK_L,
+    )
+    return result
+
+
+def shift_of(input: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The shift of a masked call: ``(C,)`` in the statistics dtype, the input at its first
+    valid position (zeros if none is valid: a padded NaN never becomes a shift)."""
+    return first_valid_sample(input.detach(), valid).to(stat_dtype(input.dtype))
+
+
+def shifted_sums(
+    input: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, ``sum(x - shift)`` and ``sum((x - shift) ** 2)`` over the valid positions,
+    ``(C,)`` each in the statistics dtype."""
+    dtype = stat_dtype(input.dtype)
+    return _reduced(_shifted_sums_kernel, input, dtype, input, _positions(valid), shift)
+
+
+def normalize(
+    input: torch.Tensor,
+    valid: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+) -> torch.Tensor:
+    """The masked output ``(x - shift) * scale + offset`` where valid, 0 elsewhere, in the
+    input's dtype and memory format (``scale`` and ``offset``: ``(C,)`` in the statistics
+    dtype, from :func:`syncbn._kernels.finalize.finalize_forward`)."""
+    positions = _positions(valid)
+    return _mapped(_normalize_kernel, input, input, positions, shift, scale, offset)
+
+
+def backward_reduce(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    valid: torch.Tensor,
+    shift: torch.Tensor,
+    saved: torch.Tensor,
+    epsilon: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, ``sum(dy)`` and ``sum(dy * xhat)`` over the valid positions, ``(C,)``
+    each in the statistics dtype.
+
+    Args:
+        saved: the forward's ``(4, C)`` saved statistics, whose mean row is ``mean - shift``
+            (:func:`syncbn._kernels.finalize.finalize_forward` with ``centered_mean``).
+        epsilon: ``eps`` in float64 on the device (:func:`syncbn._kernels.finalize.epsilon`).
+    """
+    grad_output = grad_output.contiguous(memory_format=_layout(input).format)  # input's strides
+    leading = (grad_output, input, _positions(valid), shift, saved, epsilon)
+    return _reduced(_backward_reduce_kernel, input, saved.dtype, *leading)
+
+
+def input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    valid: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    slope: torch.Tensor,
+    offset: torch.Tensor,
+) -> torch.Tensor:
+    """The masked input gradient ``dy * scale + (x - shift) * slope + offset`` where valid, 0
+    elsewhere, in the input's dtype and memory format (``slope`` and ``offset``: the
+    masked rows of :func:`syncbn._kernels.finalize.finalize_backward`)."""
+    grad_output = grad_output.contiguous(memory_format=_layout(input).format)
+    leading = (grad_output, input, _positions(valid), shift, scale, slope, offset)
+    return _mapped(_input_grad_kernel, input, *leading)
+
+
+@triton.jit
+def _added(a, b):  # type: ignore[no-untyped-def]
+    return a + b
+
+
+@triton.jit
+def _row_sums(tile):  # type: ignore[no-untyped-def]
+    """The sums of a tile's rows. (Triton's ``tl.sum``, ``tl.zeros`` and the rest of its
+    standard library are compiled kernels' functions unless Triton was imported with
+    ``TRITON_INTERPRET`` set, which the tests set later: these kernels use its core only.)"""
+    return tl.reduce(tile, 1, _added)
+
+
+@triton.jit
+def _tile(sample, first_position, channel, num_channels, length, channel_stride,
+          position_stride, positions, BLOCK_L: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Offsets of a ``(channels, positions)`` tile of one sample in the ``(N, C, L)`` view,
+    and which of its elements are valid (inside the tensor, at a valid position)."""
+    sample = tl.cast(sample, tl.int64)  # (a loop's index: a number when interpreted)
+    position = first_position + tl.arange(0, BLOCK_L)
+    inside = position < length
+    flat = sample * length + position
+    is_valid = tl.load(positions + flat, mask=inside, other=0) != 0
+    valid = (channel < num_channels)[:, None] & is_valid[None, :]
+    element = (
+        sample * num_channels * length
+        + channel[:, None].to(tl.int64) * channel_stride
+        + position[None, :].to(tl.int64) * position_stride
+    )
+    in_tensor = (channel < num_channels)[:, None] & inside[None, :]
+    return element, valid, in_tensor
+
+
+@triton.jit
+def _element_tile(positions, num_channels, length, channel_stride, position_stride,
+                  position_blocks, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+    """An element-wise kernel's tile: its channels (and which exist), then :func:`_tile`'s
+    offsets and masks; program 0 counts samples times blocks of positions."""
+    sample = tl.program_id(0) // position_blocks
+    first_position = (tl.program_id(0) % position_blocks) * BLOCK_L
+    channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    element, valid, in_tensor = _tile(
+        sample, first_position, channel, num_channels, length, channel_stride,
+        position_stride, positions, BLOCK_L,
+    )  # fmt: skip
+    return channel, channel < num_channels, element, valid, in_tensor
+
+
+@triton.jit
+def _column(per_channel, channel, inside):  # type: ignore[no-untyped-def]
+    """A ``(C,)`` tensor's values for a tile's channels, as a column."""
+    return tl.load(per_channel + channel, mask=inside, other=0.0)[:, None]
+
+
+@triton.jit(do_not_specialize=["tiles", "tiles_per_share"])
+def _shifted_sums_kernel(  # type: ignore[no-untyped-def]
+    input,
+    positions,
+    shift,
+    partials,
+    tiles,
+    num_channels,
+    length,
+    channel_stride,
+    position_stride,
+    position_blocks,
+    tiles_per_share,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    stat_type = partials.dtype.element_ty
+    channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    share = tl.program_id(1)
+    local_shift = _column(shift, channel, channel < num_channels)
+    total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
+    square_total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
+    first_tile = share * tiles_per_share
+    for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
+        element, valid, _ = _tile(
+            tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
+            length, channel_stride, position_stride, positions, BLOCK_L,
+        )  # fmt: skip
+        x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
+        shifted = tl.where(valid, x - local_shift, 0.0)
+        total += shifted
+        square_total += shifted * shifted
+    row = partials + share * 2 * num_channels
+    inside = channel < num_channels
+    tl.store(row + channel, _row_sums(total), mask=inside)
+    tl.store(row + num_channels + channel, _row_sums(square_total), mask=inside)
+
+
+@triton.jit
+def _normalize_kernel(  # type: ignore[no-untyped-def]
+    input,
+    positions,
+    shift,
+    scale,
+    offset,
+    output,
+    num_channels,
+    length,
+    channel_stride,
+    position_stride,
+    position_blocks,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    stat_type = scale.dtype.element_ty
+    channel, inside, element, valid, in_tensor = _element_tile(
+        positions, num_channels, length, channel_stride, position_stride, position_blocks,
+        BLOCK_C, BLOCK_L,
+    )  # fmt: skip
+    x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
+    y = (x - _column(shift, channel, inside)) * _column(scale, channel, inside)
+    y = tl.where(valid, y + _column(offset, channel, inside), 0.0)
+    tl.store(output + element, y.to(output.dtype.element_ty), mask=in_tensor)
+
+
+@triton.jit(do_not_specialize=["tiles", "tiles_per_share"])
+def _backward_reduce_kernel(  # type: ignore[no-untyped-def]
+    grad_output,
+    input,
+    positions,
+    shift,
+    saved,
+    epsilon,
+    partials,
+    tiles,
+    num_channels,
+    length,
+    channel_stride,
+    position_stride,
+    position_blocks,
+    tiles_per_share,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    stat_type = partials.dtype.element_ty
+    channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    share = tl.program_id(1)
+    inside = channel < num_channels
+    local_shift = _column(shift, channel, inside)
+    centered_mean = _column(saved, channel, inside)
+    var = tl.load(saved + num_channels + channel, mask=inside, other=1.0)
+    # 1 / sqrt(var + eps) in the statistics dtype, as finalize_backward's masked rows
+    inverse_std = 1.0 / tl.sqrt(var + tl.load(epsilon).to(stat_type))
+    total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
+    product_total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
+    first_tile = share * tiles_per_share
+    for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
+        element, valid, _ = _tile(
+            tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
+            length, channel_stride, position_stride, positions, BLOCK_L,
+        )  # fmt: skip
+        dy = tl.load(grad_output + element, mask=valid, other=0.0).to(stat_type)
+        x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
+        dy = tl.where(valid, dy, 0.0)
+        total += dy
+        product_total += dy * tl.where(valid, x - local_shift - centered_mean, 0.0)
+    row = partials + share * 2 * num_channels
+    tl.store(row + channel, _row_sums(total), mask=inside)
+    product = _row_sums(product_total) * inverse_std
+    tl.store(row + num_channels + channel, product, mask=inside)
+
+
+@triton.jit
+def _input_grad_kernel(  # type: ignore[no-untyped-def]
+    grad_output,
+    input,
+    positions,
+    shift,
+    scale,
+    slope,
+    offset,
+    grad_input,
+    num_channels,
+    length,
+    channel_stride,
+    position_stride,
+    position_blocks,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    stat_type = scale.dtype.element_ty
+    channel, inside, element, valid, in_tensor = _element_tile(
+        positions, num_channels, length, channel_stride, position_stride, position_blocks,
+        BLOCK_C, BLOCK_L,
+    )  # fmt: skip
+    dy = tl.load(grad_output + element, mask=valid, other=0.0).to(stat_type)
+    x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
+    shifted = x - _column(shift, channel, inside)
+    dx = dy * _column(scale, channel, inside) + shifted * _column(slope, channel, inside)
+    dx = dx + _column(offset, channel, inside)
+    tl.store(grad_input + element, tl.where(valid, dx, 0.0).to(grad_input.dtype.element_ty),
+             mask=in_tensor)  # fmt: skip
