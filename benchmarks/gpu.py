@@ -93,8 +93,18 @@ class _TorchSyncPath(nn.SyncBatchNorm):
 
 
 #: the layers timed per shape: cuDNN BatchNorm, torch.nn.SyncBatchNorm, syncbn on its generic
-#: kernels, on its fused CUDA kernels, and with its per-channel maths in one Triton kernel
-LAYER_KINDS = ("cudnn", "torch-sync", "syncbn", "syncbn-fused", "syncbn-finalize")
+#: kernels, on its fused CUDA kernels, with its per-channel maths in Triton kernels
+#: (syncbn._kernels.finalize) and the generic passes, and with Triton's passes too
+LAYER_KINDS = (
+    "cudnn",
+    "torch-sync",
+    "syncbn",
+    "syncbn-fused",
+    "syncbn-finalize-generic-passes",
+    "syncbn-finalize",
+)
+#: the candidates compared with syncbn's generic kernels, per layer
+CANDIDATES = LAYER_KINDS[3:]
 
 
 def _layer(kind: str, channels: int, group: Any) -> nn.Module:
@@ -203,17 +213,17 @@ def _measured_with(kind: str, measure: Callable[[], dict[str, Any]]) -> dict[str
 
     ``"syncbn-fused"``: syncbn._kernels.cuda (float32 rows; lower precision keeps the
     generic passes); ``"syncbn-finalize"``: syncbn._kernels.finalize (deferred calls:
-    Triton kernels for the per-channel maths, and for a masked call's passes over the
-    data: syncbn._kernels.masked_passes), ``"syncbn-finalize-generic-passes"`` the same
-    with the generic kernels' masked passes; a Triton kind's failure (no Triton, a
-    compilation) is a result, recorded as ``{"error": ...}``; candidates until measured
-    faster. Any other kind: the generic kernels.
+    Triton kernels for the per-channel maths, and for the passes over the data:
+    syncbn._kernels.triton_passes), ``"syncbn-finalize-generic-passes"`` the same with the
+    generic kernels' passes; a Triton kind's failure (no Triton, a compilation) is a
+    result, recorded as ``{"error": ...}``; candidates until measured faster. Any other
+    kind: the generic kernels.
     """
     _kernels.use_device_kernels("cuda", enabled=kind == "syncbn-fused")
     triton_kind = kind.startswith("syncbn-finalize")
     try:
         passes = kind == "syncbn-finalize"
-        _kernels.use_fused_finalize("cuda", enabled=triton_kind, masked_passes=passes)
+        _kernels.use_fused_finalize("cuda", enabled=triton_kind, triton_passes=passes)
         return measure()
     except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
         if not triton_kind:
@@ -309,9 +319,9 @@ def _masked_rows(
     """Per shape and dtype, ``timer``'s numbers for an unmasked and a masked call of a
     synchronized layer, on the generic kernels (``syncbn``), the fused ones
     (``syncbn-fused``; they apply to CUDA tensors only) and with the Triton candidate
-    (``syncbn-finalize``: deferred calls' per-channel maths, and a masked call's passes;
-    ``syncbn-finalize-generic-passes``: with the generic kernels' masked passes), whose
-    failure (no Triton, a compilation) is recorded in its cells."""
+    (``syncbn-finalize``: deferred calls' per-channel maths and passes over the data;
+    ``syncbn-finalize-generic-passes``: with the generic kernels' passes), whose failure
+    (no Triton, a compilation) is recorded in its cells."""
     rows = []
     for shape in shapes:
         for dtype in MASKED_DTYPES:
@@ -412,9 +422,9 @@ def _render(results: dict[str, Any]) -> str:
             "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
             "",
             "| shape | dtype | layout | cuDNN BN | torch SyncBN | syncbn | syncbn fused | "
-            "syncbn finalize | syncbn / BN | syncbn / torch | fused / generic | "
-            "finalize / generic |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "syncbn finalize, generic passes | syncbn finalize | syncbn / BN | syncbn / torch "
+            "| fused / generic | finalize, generic passes / generic | finalize / generic |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in results["layers"]:
             # (results of runs before a kind existed show "-" for it)
@@ -425,7 +435,7 @@ def _render(results: dict[str, Any]) -> str:
                 f"{ours / row['torch-sync']['device_ms']:.2f}x",
                 *(
                     f"{row[k]['device_ms'] / ours:.2f}x" if "device_ms" in row.get(k, {}) else "-"
-                    for k in ("syncbn-fused", "syncbn-finalize")
+                    for k in CANDIDATES
                 ),
             ]
             lines.append(
@@ -453,8 +463,9 @@ def _render(results: dict[str, Any]) -> str:
         lines += [
             "## 2 ranks on one GPU through gloo (device ms per call, worst rank)",
             "",
-            "| shape | dtype | layout | torch SyncBN | syncbn | syncbn fused | syncbn finalize |",
-            "|---|---|---|---|---|---|---|",
+            "| shape | dtype | layout | torch SyncBN | syncbn | syncbn fused | syncbn finalize, "
+            "generic passes | syncbn finalize |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for row0, row1 in zip(*results["ranks"]):
             cells = [
@@ -500,8 +511,8 @@ def _render_masked(rows: list[dict[str, Any]]) -> list[str]:
         "forward+backward, eager (device ms per call; target: masked <= 1.3x unmasked)",
         "",
         "| shape | dtype | generic unmasked | generic masked | ratio | fused unmasked "
-        "| fused masked | ratio | finalize unmasked | finalize, generic passes masked | ratio "
-        "| finalize unmasked | finalize, Triton passes masked | ratio |",
+        "| fused masked | ratio | finalize, generic passes unmasked | masked | ratio "
+        "| finalize, Triton passes unmasked | masked | ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -8,10 +8,13 @@ inside the process group's timeout; a global count of 0 behaves like torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
+import sys
 import threading
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -323,17 +326,25 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
     for layer in layers:
         assert isinstance(layer, syncbn.SyncBatchNorm)
         layer.check_mode = "deferred"
-    backward_reduce = syncbn._kernels.generic.backward_reduce
     step = 0
 
-    def out_of_memory_on_rank_1(*args: Any) -> Any:
-        if where == "backward" and step == 1 and rank == 1:
-            raise MemoryError("simulated: out of memory in backward")
-        return backward_reduce(*args)
+    def out_of_memory_on_rank_1(backward_reduce: Any) -> Any:
+        def reduce(*args: Any) -> Any:
+            if where == "backward" and step == 1 and rank == 1:
+                raise MemoryError("simulated: out of memory in backward")
+            return backward_reduce(*args)
 
-    syncbn._kernels.generic.backward_reduce = out_of_memory_on_rank_1  # type: ignore[assignment]
+        return reduce
+
     ended = []
-    try:
+    with contextlib.ExitStack() as patches:
+        # the generic kernels' backward sums, and Triton's where tests/test_kernels_finalize.py
+        # has turned them on (and so imported them)
+        for name in ("syncbn._kernels.generic", "syncbn._kernels.triton_passes"):
+            if name in sys.modules:
+                module = sys.modules[name]
+                wrapper = out_of_memory_on_rank_1(module.backward_reduce)
+                patches.enter_context(mock.patch.object(module, "backward_reduce", wrapper))
         for step in range(4):
             x = torch.randn(5, 4)
             try:
@@ -344,8 +355,6 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
                 ended.append("ok")
             except (MemoryError, RuntimeError) as error:
                 ended.append(type(error).__name__)
-    finally:
-        syncbn._kernels.generic.backward_reduce = backward_reduce  # type: ignore[assignment]
     return ended
 
 

@@ -1,7 +1,7 @@
 """syncbn._kernels.finalize: Triton kernels for a deferred call's small work around its
 collectives (the packing, the header's checks, the per-channel maths, the backward's
-corrections), and a one-pass output; with it, syncbn._kernels.masked_passes: a masked
-call's passes over the data.
+corrections), and a one-pass output; with it, syncbn._kernels.triton_passes: the passes
+over the data, masked or not.
 
 It must compute what the generic code computes: the saved statistics, the output, the
 running statistics and the batch counter, and the header values of the deferred check, in
@@ -60,15 +60,17 @@ FUSED_CALLS = ("pack_forward", "finalize_forward", "pack_backward", "finalize_ba
 
 
 @contextlib.contextmanager
-def fused_finalize() -> Iterator[Counter[str]]:
+def fused_finalize(triton_passes: bool = True) -> Iterator[Counter[str]]:
     """The fused kernels on for :data:`DEVICE` (on the CPU through Triton's interpreter,
-    which Triton reads when a kernel is defined: at the module's first import); yields how
-    many times each of :data:`FUSED_CALLS` ran, so that a test knows it took that path."""
+    which Triton reads when a kernel is defined: at the module's first import), with the
+    passes over the data of syncbn._kernels.triton_passes or (``triton_passes=False``) the
+    generic kernels; yields how many times each of :data:`FUSED_CALLS` ran, so that a test
+    knows it took that path."""
     interpret = DEVICE == "cpu" and "TRITON_INTERPRET" not in os.environ
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        _kernels.use_fused_finalize(DEVICE)
+        _kernels.use_fused_finalize(DEVICE, triton_passes=triton_passes)
     finally:
         if interpret:
             del os.environ["TRITON_INTERPRET"]
@@ -120,7 +122,8 @@ def _steps(
     options = TrainOptions(LocalReducer(), layer, eps=1e-5, momentum=momentum)
     leaves = [t.requires_grad_() for t in (x, weight, bias) if t is not None]
     results: list[torch.Tensor] = []
-    with fused_finalize() if fused else contextlib.nullcontext() as calls:
+    passes = case.get("passes", "triton") == "triton"
+    with fused_finalize(passes) if fused else contextlib.nullcontext() as calls:
         for _ in range(2):
             try:
                 y = train_call(
@@ -221,14 +224,27 @@ def test_masked_calls_equal_the_generic_maths(dtypes: tuple[torch.dtype, Any]) -
     _assert_same_as_generic(dtypes, _cases([4], [0.6, 0.0, "one"]))
 
 
-def _masked_layer_call(
+@pytest.mark.parametrize(
+    "dtypes", LAYER_DTYPES[1::2], ids=lambda d: "-".join(str(t)[6:] for t in d if t)
+)
+def test_the_fused_maths_with_the_generic_passes_equal_the_generic_maths(
+    dtypes: tuple[torch.dtype, Any],
+) -> None:
+    """The fused kernels with the generic kernels' passes over the data (the benchmarks'
+    ``syncbn-finalize-generic-passes``, and every input whose strides Triton's passes do
+    not take): local batches of 4 and 0, unmasked and masked."""
+    cases = [case | {"passes": "generic"} for case in _cases([4, 0], [None, 0.6])]
+    _assert_same_as_generic(dtypes, cases)
+
+
+def _layer_call(
     fused: bool,
     x: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     make_grad: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """One deferred masked training call of a ``(N, C, *)`` float64 batch (one process):
-    the output, the input, weight and bias gradients, the running statistics."""
+    """One deferred training call of a ``(N, C, *)`` float64 batch (one process), masked or
+    not: the output, the input, weight and bias gradients, the running statistics."""
     channels = x.shape[1]
     generator = torch.Generator().manual_seed(2)
     weight = torch.rand(channels, generator=generator, dtype=x.dtype) + 0.5
@@ -239,8 +255,9 @@ def _masked_layer_call(
     num_batches_tracked = torch.tensor(0, device=DEVICE)
     buffers = (running_mean, running_var, num_batches_tracked)
     options = TrainOptions(LocalReducer(), LayerInfo("passes", channels, check_mode="deferred"))
+    on_device = None if mask is None else mask.to(DEVICE)
     with fused_finalize() if fused else contextlib.nullcontext() as calls:
-        y = train_call(x, weight, bias, options, *buffers, mask.to(DEVICE))
+        y = train_call(x, weight, bias, options, *buffers, on_device)
         gradients = torch.autograd.grad(y, (x, weight, bias), make_grad(y))
         if calls is not None:
             _assert_fused(calls)
@@ -258,44 +275,49 @@ PASSES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shares", [None, 2], ids=["many-programs", "two-programs"])
+@pytest.mark.parametrize(
+    "shares, masked",
+    [(None, True), (2, True), (None, False)],
+    ids=["masked-many-programs", "masked-two-programs", "unmasked"],
+)
 @pytest.mark.parametrize("case", PASSES_CASES, ids=lambda case: f"{case[2]}-{len(case[0])}d")
-def test_masked_passes_equal_the_generic_passes(
-    case: tuple[tuple[int, ...], tuple[int, ...], str], shares: int | None
+def test_triton_passes_equal_the_generic_passes(
+    case: tuple[tuple[int, ...], tuple[int, ...], str], shares: int | None, masked: bool
 ) -> None:
-    """The Triton passes of syncbn._kernels.masked_passes against the generic kernels'
-    masked passes, in float64 (1e-10): NaN at padded positions in the input and the output
-    gradient, an output gradient with other strides (the expanded gradient of a sum); with
-    a reduction spread over many programs, and over 2 (many tiles each)."""
+    """The Triton passes of syncbn._kernels.triton_passes against the generic kernels'
+    passes, in float64 (1e-10), masked (NaN and inf at padded positions of the input and
+    the output gradient) and not; with an output gradient of other strides (the expanded
+    gradient of a sum); with a reduction spread over many programs, and over 2 (many tiles
+    each)."""
     with fused_finalize():  # the first import of the kernels: interpreted on the CPU
-        from syncbn._kernels import masked_passes
+        from syncbn._kernels import triton_passes
 
     shape, mask_shape, layout = case
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator, dtype=torch.float64) * 4 + 100
-    mask = torch.rand(mask_shape, generator=generator) < 0.7
-    valid = mask.expand(shape[0], *shape[2:]).unsqueeze(1)
-    x = x.masked_fill(~valid, float("nan"))
+    dy = torch.randn(shape, generator=generator, dtype=torch.float64)
+    mask = None
+    if masked:
+        mask = torch.rand(mask_shape, generator=generator) < 0.7
+        padded = ~mask.expand(shape[0], *shape[2:]).unsqueeze(1)
+        x, dy = x.masked_fill(padded, float("nan")), dy.masked_fill(padded, float("inf"))
     if layout == "channels_last":
         x = x.contiguous(
             memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d
         )
-    dy = torch.randn(shape, generator=generator, dtype=torch.float64).masked_fill(
-        ~valid, float("inf")
-    )
     for make_grad in (
         lambda y: dy.to(y.device),
         lambda y: torch.ones((), device=y.device).expand_as(y),
     ):
-        expected = _masked_layer_call(False, x, mask, make_grad)
-        programs = shares or masked_passes._REDUCTION_PROGRAMS
+        expected = _layer_call(False, x, mask, make_grad)
+        programs = shares or triton_passes._REDUCTION_PROGRAMS
         passes = [
-            mock.patch.object(masked_passes, name, wraps=getattr(masked_passes, name))
+            mock.patch.object(triton_passes, name, wraps=getattr(triton_passes, name))
             for name in ("shifted_sums", "normalize", "backward_reduce", "input_grad")
         ]
-        with mock.patch.object(masked_passes, "_REDUCTION_PROGRAMS", programs):
+        with mock.patch.object(triton_passes, "_REDUCTION_PROGRAMS", programs):
             with passes[0] as sums, passes[1] as output, passes[2] as reduce, passes[3] as grad:
-                actual = _masked_layer_call(True, x, mask, make_grad)
+                actual = _layer_call(True, x, mask, make_grad)
         assert [f.call_count for f in (sums, output, reduce, grad)] == [1, 1, 1, 1]
         for name, got, want in zip(
             ["output", "grad input", "grad weight", "grad bias", "running mean", "running var"],
@@ -309,7 +331,7 @@ def test_masked_passes_equal_the_generic_passes(
         assert actual[1].stride() == x.stride(), "the input gradient's memory format"
 
 
-#: the Triton kernels of syncbn._kernels.finalize and of syncbn._kernels.masked_passes
+#: the Triton kernels of syncbn._kernels.finalize and of syncbn._kernels.triton_passes
 #: (which a masked call's passes take), by module, as the modules name them
 KERNELS = {
     "finalize": (
@@ -318,7 +340,7 @@ KERNELS = {
         "_pack_backward_kernel",
         "_finalize_backward_kernel",
     ),
-    "masked_passes": (
+    "triton_passes": (
         "_shifted_sums_kernel",
         "_normalize_kernel",
         "_backward_reduce_kernel",
@@ -341,9 +363,9 @@ _POINTER_TYPES = {
 def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, Any]]]]:
     """Inside :func:`fused_finalize`: records each launch of :data:`KERNELS` (the module
     and kernel's name, its arguments and its compile-time constants), then runs it."""
-    from syncbn._kernels import finalize, masked_passes
+    from syncbn._kernels import finalize, triton_passes
 
-    modules = {"finalize": finalize, "masked_passes": masked_passes}
+    modules = {"finalize": finalize, "triton_passes": triton_passes}
     launches: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
     class Recording:
@@ -384,12 +406,12 @@ def _compiled_kernels() -> dict[str, Any]:
     """Second copies of the modules of :data:`KERNELS`, whose kernels Triton compiles (where
     the tests interpret the first ones on the CPU): ``triton.jit`` reads
     ``TRITON_INTERPRET`` when it decorates a function."""
-    from syncbn._kernels import finalize, masked_passes
+    from syncbn._kernels import finalize, triton_passes
 
     interpret = os.environ.pop("TRITON_INTERPRET", None)
     copies = {}
     try:
-        for name, original in (("finalize", finalize), ("masked_passes", masked_passes)):
+        for name, original in (("finalize", finalize), ("triton_passes", triton_passes)):
             spec = importlib.util.spec_from_file_location(f"{name}_compiled", original.__file__)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
@@ -551,11 +573,15 @@ def test_a_checkpointed_recomputation_moves_the_running_statistics_once(
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
+#: the folder of Triton's package, whose interpreter runs torch ops for a kernel's body
+_TRITON_PACKAGE = os.path.dirname(triton.__file__) + os.sep
+
+
 class _TorchKernels(_Ops):
     """Leaves out what Triton's interpreter runs on the CPU for the kernel itself."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any("triton" in frame.filename for frame in traceback.extract_stack()):
+        if any(_TRITON_PACKAGE in frame.filename for frame in traceback.extract_stack()):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -583,37 +609,36 @@ def _call_kernels(fused: bool, masked: bool) -> tuple[list[str], list[str]]:
     return forward.kernels, backward.kernels
 
 
-def test_a_deferred_call_runs_6_torch_kernels_and_4_fused_ones() -> None:
-    """The torch kernels of a deferred call with the fused kernels on: forward 3 (the
-    shifted copy, its sums, the output; and the packing and finalizing kernels), backward 3
-    (and the packing and corrections kernels), against the 33 and 10 of
-    tests/test_op_budget.py's generic count; on a GPU each direction also copies its header
-    to the host, as before. On a GPU each is a launch (the first GPU run: host-bound, ~2.2
-    ms per call)."""
+def test_a_deferred_call_runs_3_torch_kernels_and_8_triton_ones() -> None:
+    """The torch kernels of a deferred call with the fused kernels on: forward 2 (the shift
+    made contiguous, the sum of the local sums' partial sums; and 4 Triton kernels: the
+    local sums, the packing, the per-channel maths, the output), backward 1 (the sum of
+    the partial sums; and 4: the sums, the packing, the corrections, the input gradient),
+    against the 33 and 10 of tests/test_op_budget.py's generic count; on a GPU each
+    direction also copies its header to the host, as before. On a GPU each is a launch
+    (the first GPU run: host-bound, ~2.2 ms per call)."""
     forward, backward = _call_kernels(fused=True, masked=False)
     # on CUDA the deferred check's copy of the header to pinned host memory is one more
     # (with the generic maths too)
     copy = int(DEVICE == "cuda")
-    assert len(forward) <= 3 + copy, forward
-    assert len(backward) <= 3 + copy, backward
-    for kernels in (forward, backward):  # the local sums still run
-        assert "native_batch_norm_backward" in kernels, kernels
+    assert len(forward) <= 2 + copy, forward
+    assert len(backward) <= 1 + copy, backward
+    # no pass over the data is torch's: the local sums are Triton's
+    assert "native_batch_norm_backward" not in forward + backward, (forward, backward)
 
 
 def test_a_masked_deferred_call_runs_9_torch_kernels_and_8_triton_ones() -> None:
-    """A masked call's passes over the data are syncbn._kernels.masked_passes' Triton
-    kernels (the valid positions' shifted sums, the output, the backward's sums and the
-    input gradient), around the fused packing and per-channel maths. Counted with torch
-    2.14 on the CPU, against the generic maths' forward 45 and backward 19: forward 8 (the
-    valid count, the first valid sample's 6, the sum of the partial sums; and 4 Triton
-    kernels), backward 1 (the sum of the partial sums; and 4); on a GPU each direction
-    also copies its header to the host."""
+    """A masked call's passes over the data are syncbn._kernels.triton_passes' Triton
+    kernels too, around the fused packing and per-channel maths. Counted with torch 2.14
+    on the CPU, against the generic maths' forward 45 and backward 19: forward 8 (the valid
+    count, the first valid sample's 6, the sum of the partial sums; and 4 Triton kernels),
+    backward 1 (the sum of the partial sums; and 4); on a GPU each direction also copies
+    its header to the host."""
     generic_forward, generic_backward = _call_kernels(fused=False, masked=True)
     forward, backward = _call_kernels(fused=True, masked=True)
     copy = int(DEVICE == "cuda")
     assert len(forward) <= 8 + copy < len(generic_forward), (forward, generic_forward)
     assert len(backward) <= 1 + copy < len(generic_backward), (backward, generic_backward)
-    # no pass over the data is torch's any more: the local sums are Triton's
     assert "native_batch_norm_backward" not in forward + backward, (forward, backward)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
-from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for
+from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for, takes_triton_passes
 from syncbn._kernels.generic import (
     corrected_input_grad,
     in_place_masked,
@@ -389,9 +389,9 @@ class ForwardResult(NamedTuple):
     backward_input: torch.Tensor
     #: ``(N, 1, *)`` bool, True at the valid positions of a masked call; ``None`` unmasked
     valid: torch.Tensor | None = None
-    #: a masked call whose passes are :mod:`syncbn._kernels.masked_passes`' (Triton): its
-    #: ``(C,)`` shift, which backward subtracts from :attr:`backward_input`, the input
-    #: itself (the kernels read only its valid positions); ``None`` for the other calls
+    #: a call whose passes are :mod:`syncbn._kernels.triton_passes`' (Triton): its ``(C,)``
+    #: shift, which backward subtracts from :attr:`backward_input`, the input itself (the
+    #: kernels read only its valid positions); ``None`` for the other calls
     shift: torch.Tensor | None = None
 
 
@@ -588,7 +588,9 @@ def forward_train(
         if mask is not None:
             valid = valid_positions(mask, input)
         if fused is not None:
-            moments, buffer = fused.pack_forward(input, options.layer.fingerprint, valid)
+            triton_passes = takes_triton_passes(input)
+            fingerprint = options.layer.fingerprint
+            moments, buffer = fused.pack_forward(input, fingerprint, valid, triton_passes)
         else:
             moments = kernels.local_moments(input, valid)
             buffer = _protocol.pack_forward(
@@ -602,8 +604,9 @@ def forward_train(
     if fused is not None:
         buffers = (running_mean, running_var, num_batches_tracked)
         return _forward_on_fused_kernel(
-            fused, buffer, input, moments, weight, bias, *buffers, options, update_dtype, valid
-        )
+            fused, buffer, input, moments, weight, bias, *buffers, options, update_dtype, valid,
+            triton_passes,
+        )  # fmt: skip
     reduced = reduce_forward(
         buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
     )
@@ -655,19 +658,21 @@ def _forward_on_fused_kernel(
     options: TrainOptions,
     update_dtype: torch.dtype,
     valid: torch.Tensor | None = None,
+    triton_passes: bool = False,
 ) -> ForwardResult:
     """The rest of a deferred :func:`forward_train` from its packed ``buffer``, with
     :mod:`syncbn._kernels.finalize` (``fused``, a candidate): the collective, then one
     kernel for the checks and the per-channel maths that :func:`reduce_forward`,
     :func:`count_divisors`, :mod:`syncbn._stats` and :func:`output_offset` do otherwise,
-    then the output pass (unmasked: one ``addcmul`` where the generic kernels make two
-    passes; masked: :mod:`syncbn._kernels.masked_passes`' pass where it takes the input
-    (:func:`syncbn._kernels.finalize.takes_masked_passes`), else the generic kernels',
-    zero at padded positions).
+    then the output pass: :mod:`syncbn._kernels.triton_passes`' (``triton_passes``: the
+    local sums were theirs too), else one ``addcmul`` where the generic kernels make two
+    passes, or for a masked call the generic kernels' pass, zero at padded positions.
 
     Args:
         update_dtype: as :func:`reduce_forward`'s: the running statistics' dtype.
         valid: a masked call's valid positions (see :attr:`ForwardResult.valid`).
+        triton_passes: :func:`syncbn._kernels.takes_triton_passes` (the local sums in
+            ``moments`` were those of :mod:`syncbn._kernels.triton_passes`).
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     counted = None  # a cumulative average: the kernel divides by the batch counter
@@ -675,7 +680,7 @@ def _forward_on_fused_kernel(
         factor = 0.0 if options.momentum is None else options.momentum
         counted = counted_update(factor, buffer.device, update_dtype)
     saved_input, centered_mean, shift = input, False, None
-    if fused.takes_masked_passes(input, valid):
+    if triton_passes:
         # backward reads the input itself, and the shift (saved[0] is then mean - shift)
         centered_mean, shift = True, moments.shift
     elif valid is not None:
@@ -698,8 +703,8 @@ def _forward_on_fused_kernel(
     check = options.header_check("forward", tuple(input.shape))
     _protocol.defer_check(buffer, check, header, options.reducer.dissolved_test())
     centered = moments.centered
-    if shift is not None and valid is not None:
-        output = fused.masked_passes.normalize(input, valid, shift, saved[2], offset)
+    if shift is not None:
+        output = fused.triton_passes.normalize(input, valid, shift, saved[2], offset)
     elif valid is None and centered is not None and input.dtype == saved.dtype:
         output = fused.normalize(centered, saved[2], offset)  # float32, float64 input
     else:  # masked, low precision (the generic kernels' batch_norm), or an empty batch
@@ -751,8 +756,8 @@ def backward_train(
 
     Args:
         saved: :attr:`ForwardResult.saved`: its mean is that of ``input``.
-        shift: :attr:`ForwardResult.shift`: a masked call whose forward took
-            :mod:`syncbn._kernels.masked_passes`, and so does its backward (with
+        shift: :attr:`ForwardResult.shift`: a call whose forward took
+            :mod:`syncbn._kernels.triton_passes`, and so does its backward (with
             :mod:`syncbn._kernels.finalize`, whatever is switched on since).
     """
     need_input, need_weight, need_bias = needs_grad
@@ -762,16 +767,16 @@ def backward_train(
     if need_input:  # before the collective, as in forward (see resolve_mode)
         if resolve_mode(options, saved.device) == "deferred":
             fused = fused_finalize_for(saved.device)  # a candidate, off by default
-    passes = epsilon = None  # syncbn._kernels.masked_passes, where the forward took them
+    passes = epsilon = None  # syncbn._kernels.triton_passes, where the forward took them
     if shift is not None:
         from syncbn._kernels import finalize  # (Triton: imported by the forward already)
 
-        passes, epsilon = finalize.masked_passes, finalize.epsilon(options.eps, saved.device)
+        passes, epsilon = finalize.triton_passes, finalize.epsilon(options.eps, saved.device)
         fused = finalize if need_input else None
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if create_graph:
             raise double_backward_error()
-        if passes is not None and shift is not None and valid is not None:
+        if passes is not None and shift is not None:
             sum_dy, sum_dy_xhat = passes.backward_reduce(
                 grad_output, input, valid, shift, saved, epsilon
             )
@@ -789,7 +794,7 @@ def backward_train(
         # one kernel for the header values and the corrections (the generic code runs
         # three), or a masked call's slope and offset (seven)
         buffer = options.reducer.all_reduce(buffer, "backward")
-        if passes is not None and shift is not None and valid is not None:
+        if passes is not None and shift is not None:
             (slope, offset), header = fused.finalize_backward(buffer, saved, options.eps)
             grad_input = passes.input_grad(
                 grad_output, input, valid, shift, saved[2], slope, offset

@@ -17,9 +17,9 @@ shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a
 Around its collectives a deferred call (the accelerators' mode) runs ~35 tiny ops (the
 packing, the checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in
 four Triton kernels, another candidate, which :func:`use_fused_finalize` selects. With it,
-a masked call's passes over the data are :mod:`syncbn._kernels.masked_passes`' Triton
-kernels, which read only the valid positions (the generic kernels zero the others in
-extra passes).
+the four passes over the data are :mod:`syncbn._kernels.triton_passes`' Triton kernels,
+which move the data as cuDNN's BatchNorm does, masked calls too (they read only the valid
+positions, where the generic kernels zero the others in passes of their own).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
     "LocalMoments",
     "fused_finalize_for",
     "kernels_for",
-    "masked_passes_on",
+    "takes_triton_passes",
     "use_device_kernels",
     "use_fused_finalize",
 ]
@@ -118,11 +118,11 @@ def kernels_for(device: torch.device) -> Kernels:
 
 
 #: device types whose deferred calls use :mod:`syncbn._kernels.finalize` (a candidate),
-#: and whether their masked calls' passes are :mod:`syncbn._kernels.masked_passes`'
+#: and whether their passes over the data are :mod:`syncbn._kernels.triton_passes`'
 _FUSED_FINALIZE: dict[str, bool] = {}
 
 
-def use_fused_finalize(device_type: str, enabled: bool = True, masked_passes: bool = True) -> None:
+def use_fused_finalize(device_type: str, enabled: bool = True, triton_passes: bool = True) -> None:
     """Use (or stop using) :mod:`syncbn._kernels.finalize`, Triton kernels for a deferred
     call's checks, per-channel maths and packing, for ``device_type`` in this process.
 
@@ -130,8 +130,8 @@ def use_fused_finalize(device_type: str, enabled: bool = True, masked_passes: bo
     compare it with the generic maths.
 
     Args:
-        masked_passes: a masked call's passes over the data are then
-            :mod:`syncbn._kernels.masked_passes`' Triton kernels too (``False``: the
+        triton_passes: the passes over the data are then
+            :mod:`syncbn._kernels.triton_passes`' Triton kernels too (``False``: the
             generic kernels', for the benchmarks that tell both apart).
 
     Raises:
@@ -140,15 +140,20 @@ def use_fused_finalize(device_type: str, enabled: bool = True, masked_passes: bo
     if enabled:
         from syncbn._kernels import finalize  # noqa: F401  (imports Triton, or raises)
 
-        _FUSED_FINALIZE[device_type] = masked_passes
+        _FUSED_FINALIZE[device_type] = triton_passes
     else:
         _FUSED_FINALIZE.pop(device_type, None)
 
 
-def masked_passes_on(device: torch.device) -> bool:
-    """Whether a deferred masked call on ``device`` may take
-    :mod:`syncbn._kernels.masked_passes` (see :func:`use_fused_finalize`)."""
-    return _FUSED_FINALIZE.get(device.type, False)
+def takes_triton_passes(input: torch.Tensor) -> bool:
+    """Whether a deferred call's passes over the data are :mod:`syncbn._kernels.triton_passes`'
+    Triton kernels: they are on for the input's device (:func:`use_fused_finalize`) and
+    take its layout, a non-empty batch contiguous or channels last (the generic kernels take
+    any strides). Its backward then reads the input itself, and the shift
+    (:attr:`syncbn._autograd.ForwardResult.shift`)."""
+    if not _FUSED_FINALIZE.get(input.device.type, False):
+        return False
+    return input.numel() > 0 and generic.dense_format(input) is not None
 
 
 def fused_finalize_for(device: torch.device) -> ModuleType | None:

@@ -20,14 +20,17 @@ sums and packs the buffer in one kernel (the generic code runs five). In the bac
 dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
 gradient's corrections in one (the generic code runs three). A call then runs 6 torch
 kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
-the sums, the correction pass and the gradient in backward.
+the sums, the correction pass and the gradient in backward; with
+:mod:`syncbn._kernels.triton_passes` (below) 3 torch kernels and 8 Triton ones.
 
 Deferred calls take them (an immediate call's count is a number on the host), masked ones
 too: their count of valid positions is a tensor that the packing kernel reads on the
-device, and their passes over the data are :mod:`syncbn._kernels.masked_passes`' Triton
-kernels (:func:`takes_masked_passes`: a contiguous or channels-last input), which read
-only the valid positions and save no shifted copy; other strides keep the generic
-kernels' masked passes.
+device. With these kernels, the four passes over the data are
+:mod:`syncbn._kernels.triton_passes`' Triton kernels
+(:func:`syncbn._kernels.takes_triton_passes`: a contiguous or channels-last input),
+masked or not: they read only the valid positions
+and save no shifted copy; other strides keep the generic kernels' passes (and
+:func:`normalize` here).
 They are a candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns them on
 for a device type, until a GPU run measures them faster (``benchmarks/gpu.py``, variant
 ``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
@@ -47,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from syncbn import _kernels, _protocol
-from syncbn._kernels import generic, masked_passes
+from syncbn import _protocol
+from syncbn._kernels import generic, triton_passes
 from syncbn._kernels.generic import LocalMoments
 
 __all__ = [
@@ -56,11 +59,10 @@ __all__ = [
     "epsilon",
     "finalize_backward",
     "finalize_forward",
-    "masked_passes",
     "normalize",
     "pack_backward",
     "pack_forward",
-    "takes_masked_passes",
+    "triton_passes",
 ]
 
 #: channels per block of the kernel's loop (one program does them all)
@@ -81,16 +83,6 @@ def applies(
             return False
     tensors = (running_mean, running_var, *per_channel)
     return all(t is None or t.is_contiguous() for t in tensors)
-
-
-def takes_masked_passes(input: torch.Tensor, valid: torch.Tensor | None) -> bool:
-    """Whether a call's passes over the data are :mod:`syncbn._kernels.masked_passes`'
-    Triton kernels: a masked call whose input they take, on a device for which they are on
-    (:func:`syncbn._kernels.use_fused_finalize`). Its backward then reads the input itself,
-    and the shift (:attr:`syncbn._autograd.ForwardResult.shift`)."""
-    if valid is None or not _kernels.masked_passes_on(input.device):
-        return False
-    return masked_passes.applies(input)
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,7 +180,10 @@ def normalize(centered: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
 
 
 def pack_forward(
-    input: torch.Tensor, fingerprint: int, valid: torch.Tensor | None = None
+    input: torch.Tensor,
+    fingerprint: int,
+    valid: torch.Tensor | None = None,
+    triton_sums: bool = False,
 ) -> tuple[LocalMoments, torch.Tensor]:
     """:func:`syncbn._kernels.generic.local_moments` and :func:`syncbn._protocol.pack_forward`
     with the shift added back and the buffer packed in one kernel (the generic code runs
@@ -197,14 +192,14 @@ def pack_forward(
     Args:
         valid: a masked call's valid positions (``(N, 1, *)`` bool), or ``None``; a masked
             batch's count is a 0-dim tensor, which the kernel reads on the device.
+        triton_sums: the local sums are :func:`syncbn._kernels.triton_passes.shifted_sums`
+            (where :func:`syncbn._kernels.takes_triton_passes`).
 
     Returns:
         The moments, whose ``total`` and ``square_total`` are views into the buffer (which
         the collective then sums in place) and whose ``shift`` is in the statistics dtype
-        (a strided view of the input where it can be), and the buffer. Where
-        :func:`takes_masked_passes`, the sums are those of
-        :func:`syncbn._kernels.masked_passes.shifted_sums`, and there is no shifted copy
-        (``centered`` is ``None``).
+        (a strided view of the input where it can be), and the buffer. With
+        ``triton_sums`` there is no shifted copy (``centered`` is ``None``).
     """
     num_channels = input.shape[1]
     if input.numel() == 0:  # nothing to sum: the generic code's zeros
@@ -213,10 +208,10 @@ def pack_forward(
         return moments, buffer
     valid_count: torch.Tensor | None
     centered: torch.Tensor | None
-    if valid is not None and takes_masked_passes(input, valid):
-        valid_count = valid.sum(dtype=torch.float64)
-        shift = masked_passes.shift_of(input, valid)
-        shifted_sum, shifted_square_sum = masked_passes.shifted_sums(input, valid, shift)
+    if triton_sums:
+        valid_count = None if valid is None else valid.sum(dtype=torch.float64)
+        shift = triton_passes.shift_of(input, valid)
+        shifted_sum, shifted_square_sum = triton_passes.shifted_sums(input, valid, shift)
         centered = None
     else:
         shifted_sum, shifted_square_sum, shift, centered, valid_count = generic.shifted_sums(
@@ -272,8 +267,9 @@ def finalize_backward(
     kernel where the generic code runs three.
 
     Args:
-        eps: for a masked call's in-place gradient
-            (:func:`syncbn._kernels.generic.masked_input_grad`): then the rows are its
+        eps: for an input gradient ``dy * scale + x * slope + offset`` (a masked call's
+            in-place gradient, :func:`syncbn._kernels.generic.masked_input_grad`, and
+            :func:`syncbn._kernels.triton_passes.input_grad`): then the rows are its
             ``slope`` and ``offset``, computed from the corrections as the generic code
             does (four kernels fewer); ``None``: the corrections.
     """

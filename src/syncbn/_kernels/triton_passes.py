@@ -1,31 +1,33 @@
-"""Triton kernels for a masked call's passes over the data: the deferred (GPU) path's
-counterpart of the generic kernels' masked passes.
+"""Triton kernels for a deferred call's four passes over the data, masked or not: the GPU
+path's counterpart of :mod:`syncbn._kernels.generic`'s passes.
 
-With torch ops a masked call makes more passes than an unmasked one, because padded
-positions may hold anything (NaN included, which a multiplication by zero keeps): the
-generic kernels write a shifted copy that is zero there (and save it for backward), zero
-the output's offset there, and zero the output gradient before its sums. Counting a read
-or a write of the whole tensor as one, a masked forward moves 9 tensors and its backward
-11, where an unmasked call moves 7 and 7. These kernels read the data only where it is
-valid (a masked load never reads a padded position) and move 3 in forward (the input
-twice, the output once) and 5 in backward (the output gradient and the input twice each,
-the input gradient once), without a shifted copy: backward reads the input itself.
+Counting a read or a write of the whole tensor as one, the generic kernels move 5 tensors
+in an unmasked forward (a shifted copy, its sums, the output written into it) and 7 in its
+backward (the sums, an eval-mode ``batch_norm``, an ``addcmul_``); a masked call moves 9
+and 11, because padded positions may hold anything (NaN included, which a multiplication
+by zero keeps): the shifted copy is zeroed there and saved for backward, the output's
+offset is added where valid only, the output gradient is zeroed before its sums. These
+kernels read the data only where it is valid (a masked load never reads a padded
+position) and move 3 in forward (the input twice, the output once) and 5 in backward (the
+output gradient and the input twice each, the input gradient once), masked or not, as
+cuDNN's BatchNorm does; there is no shifted copy, and backward reads the input itself:
 
 - :func:`shifted_sums`: per channel, the sums of ``x - shift`` and of its squares over
-  the valid positions, in the statistics dtype (float32 partial sums per share of the
-  tiles, then their sum), as :func:`syncbn._kernels.generic.shifted_sums` takes them;
+  the valid positions, in the statistics dtype (partial sums per share of the tiles, then
+  their sum), as :func:`syncbn._kernels.generic.shifted_sums` takes them;
 - :func:`normalize`: ``(x - shift) * scale + offset`` where valid, 0 elsewhere;
 - :func:`backward_reduce`: ``sum(dy)`` and ``sum(dy * xhat)`` over the valid positions,
   with ``xhat = (x - shift - centered_mean) / sqrt(var + eps)`` (the centered mean
   ``mean - shift`` is small, so a float32 input whose mean is large against its spread
   loses nothing);
 - :func:`input_grad`: ``dy * scale + (x - shift) * slope + offset`` where valid, 0
-  elsewhere, with the slope and offset of
-  :func:`syncbn._kernels.finalize.finalize_backward`'s masked rows.
+  elsewhere, with the slope and offset rows of
+  :func:`syncbn._kernels.finalize.finalize_backward`.
 
 Every value is computed in the statistics dtype (float32, or float64 for a float64 input)
 and stored in the input's. They take a non-empty input that is contiguous or channels
-last (:func:`applies`); :mod:`syncbn._autograd` gives the others to the generic kernels.
+last (:func:`syncbn._kernels.takes_triton_passes`); :mod:`syncbn._autograd` gives the
+others to the generic kernels.
 Like :mod:`syncbn._kernels.finalize`, whose calls they join, they are a candidate until a
 GPU run measures them; on the CPU the tests run them through Triton's interpreter.
 """
@@ -43,7 +45,6 @@ from syncbn._kernels.generic import dense_format, first_valid_sample
 from syncbn._stats import stat_dtype
 
 __all__ = [
-    "applies",
     "backward_reduce",
     "input_grad",
     "normalize",
@@ -56,12 +57,6 @@ _BLOCK_C = 16
 _BLOCK_L = 64
 #: about how many programs share a reduction (a few per multiprocessor of a large GPU)
 _REDUCTION_PROGRAMS = 512
-
-
-def applies(input: torch.Tensor) -> bool:
-    """Whether these kernels take ``input``: a non-empty ``(N, C, *)`` batch, contiguous or
-    channels last (the generic kernels take any strides)."""
-    return input.numel() > 0 and dense_format(input) is not None
 
 
 class _Layout(NamedTuple):
@@ -84,7 +79,7 @@ def _layout(input: torch.Tensor) -> _Layout:
     tiles then span samples, not one sample each.
     """
     format = dense_format(input)
-    assert format is not None, "applies() is the caller's test"
+    assert format is not None, "syncbn._kernels.takes_triton_passes() is the caller's test"
     num_samples, num_channels = input.shape[:2]
     if input.dim() == 2:
         return _Layout(1, num_channels, num_samples, 1, num_channels, format)
@@ -94,13 +89,16 @@ def _layout(input: torch.Tensor) -> _Layout:
     return _Layout(num_samples, num_channels, length, 1, num_channels, format)
 
 
-def _positions(valid: torch.Tensor) -> torch.Tensor:
-    """``valid`` (``(N, 1, *)`` bool, maybe expanded) as ``(N * L,)`` bytes, 1 where valid."""
-    return valid.reshape(-1).contiguous().view(torch.uint8)
+def _positions(valid: torch.Tensor | None, input: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``valid`` (``(N, 1, *)`` bool, maybe expanded) as ``(N * L,)`` bytes, 1 where valid,
+    and whether the call is masked; unmasked, a pointer that the kernels never read."""
+    if valid is None:
+        return input, False
+    return valid.reshape(-1).contiguous().view(torch.uint8), True
 
 
 def _reduced(
-    kernel: Any, input: torch.Tensor, dtype: torch.dtype, *leading: Any
+    kernel: Any, input: torch.Tensor, masked: bool, dtype: torch.dtype, *leading: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A reduction kernel's two ``(C,)`` rows of sums: each program sums a block of
     channels over a share of the tiles (a sample's block of positions) into ``partials``,
@@ -126,6 +124,7 @@ def _reduced(
         position_stride,
         position_blocks,
         tiles_per_share,
+        MASKED=masked,
         BLOCK_C=_BLOCK_C,
         BLOCK_L=_BLOCK_L,
     )
@@ -133,7 +132,7 @@ def _reduced(
     return first, second
 
 
-def _mapped(kernel: Any, input: torch.Tensor, *leading: Any) -> torch.Tensor:
+def _mapped(kernel: Any, input: torch.Tensor, masked: bool, *leading: Any) -> torch.Tensor:
     """An element-wise kernel's result: a new tensor of ``input``'s shape, dtype and memory
     format, one program per sample, block of positions and block of channels.
 
@@ -151,30 +150,37 @@ def _mapped(kernel: Any, input: torch.Tensor, *leading: Any) -> torch.Tensor:
         channel_stride,
         position_stride,
         position_blocks,
+        MASKED=masked,
         BLOCK_C=_BLOCK_C,
         BLOCK_L=_BLOCK_L,
     )
     return result
 
 
-def shift_of(input: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The shift of a masked call: ``(C,)`` in the statistics dtype, the input at its first
-    valid position (zeros if none is valid: a padded NaN never becomes a shift)."""
-    return first_valid_sample(input.detach(), valid).to(stat_dtype(input.dtype))
+def shift_of(input: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """A call's shift: ``(C,)`` in the statistics dtype, contiguous, the input at its first
+    (valid) position; zeros where no position is valid (a padded NaN never becomes a
+    shift)."""
+    dtype = stat_dtype(input.dtype)
+    if valid is None:
+        first = input.detach()[(0, slice(None)) + (0,) * (input.dim() - 2)]
+        return first.to(dtype).contiguous()
+    return first_valid_sample(input.detach(), valid).to(dtype)
 
 
 def shifted_sums(
-    input: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor
+    input: torch.Tensor, valid: torch.Tensor | None, shift: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel, ``sum(x - shift)`` and ``sum((x - shift) ** 2)`` over the valid positions,
-    ``(C,)`` each in the statistics dtype."""
+    """Per channel, ``sum(x - shift)`` and ``sum((x - shift) ** 2)`` over the valid positions
+    (all where ``valid`` is ``None``), ``(C,)`` each in the statistics dtype."""
+    positions, masked = _positions(valid, input)
     dtype = stat_dtype(input.dtype)
-    return _reduced(_shifted_sums_kernel, input, dtype, input, _positions(valid), shift)
+    return _reduced(_shifted_sums_kernel, input, masked, dtype, input, positions, shift)
 
 
 def normalize(
     input: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     shift: torch.Tensor,
     scale: torch.Tensor,
     offset: torch.Tensor,
@@ -182,14 +188,14 @@ def normalize(
     """The masked output ``(x - shift) * scale + offset`` where valid, 0 elsewhere, in the
     input's dtype and memory format (``scale`` and ``offset``: ``(C,)`` in the statistics
     dtype, from :func:`syncbn._kernels.finalize.finalize_forward`)."""
-    positions = _positions(valid)
-    return _mapped(_normalize_kernel, input, input, positions, shift, scale, offset)
+    positions, masked = _positions(valid, input)
+    return _mapped(_normalize_kernel, input, masked, input, positions, shift, scale, offset)
 
 
 def backward_reduce(
     grad_output: torch.Tensor,
     input: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     shift: torch.Tensor,
     saved: torch.Tensor,
     epsilon: torch.Tensor,
@@ -203,14 +209,15 @@ def backward_reduce(
         epsilon: ``eps`` in float64 on the device (:func:`syncbn._kernels.finalize.epsilon`).
     """
     grad_output = grad_output.contiguous(memory_format=_layout(input).format)  # input's strides
-    leading = (grad_output, input, _positions(valid), shift, saved, epsilon)
-    return _reduced(_backward_reduce_kernel, input, saved.dtype, *leading)
+    positions, masked = _positions(valid, input)
+    leading = (grad_output, input, positions, shift, saved, epsilon)
+    return _reduced(_backward_reduce_kernel, input, masked, saved.dtype, *leading)
 
 
 def input_grad(
     grad_output: torch.Tensor,
     input: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     shift: torch.Tensor,
     scale: torch.Tensor,
     slope: torch.Tensor,
@@ -218,48 +225,54 @@ def input_grad(
 ) -> torch.Tensor:
     """The masked input gradient ``dy * scale + (x - shift) * slope + offset`` where valid, 0
     elsewhere, in the input's dtype and memory format (``slope`` and ``offset``: the
-    masked rows of :func:`syncbn._kernels.finalize.finalize_backward`)."""
+    slope and offset rows of :func:`syncbn._kernels.finalize.finalize_backward`)."""
     grad_output = grad_output.contiguous(memory_format=_layout(input).format)
-    leading = (grad_output, input, _positions(valid), shift, scale, slope, offset)
-    return _mapped(_input_grad_kernel, input, *leading)
+    positions, masked = _positions(valid, input)
+    leading = (grad_output, input, positions, shift, scale, slope, offset)
+    return _mapped(_input_grad_kernel, input, masked, *leading)
 
 
-@triton.jit
-def _added(a, b):  # type: ignore[no-untyped-def]
-    return a + b
+#: the combination of ``tl.sum``, whose reductions Triton's interpreter runs as one numpy sum
+#: (any other combination it calls element by element: ~20x slower tests); the kernels use
+#: only Triton's core (``tl.reduce``), because ``tl.sum``, ``tl.zeros`` and the rest of its
+#: standard library are compiled kernels' functions unless Triton was imported with
+#: ``TRITON_INTERPRET`` set, which the tests set later
+_SUM = tl.standard._sum_combine
 
 
 @triton.jit
 def _row_sums(tile):  # type: ignore[no-untyped-def]
-    """The sums of a tile's rows. (Triton's ``tl.sum``, ``tl.zeros`` and the rest of its
-    standard library are compiled kernels' functions unless Triton was imported with
-    ``TRITON_INTERPRET`` set, which the tests set later: these kernels use its core only.)"""
-    return tl.reduce(tile, 1, _added)
+    """The sums of a tile's rows."""
+    return tl.reduce(tile, 1, _SUM)
 
 
 @triton.jit
 def _tile(sample, first_position, channel, num_channels, length, channel_stride,
-          position_stride, positions, BLOCK_L: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+          position_stride, positions, BLOCK_L: tl.constexpr, MASKED: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
     """Offsets of a ``(channels, positions)`` tile of one sample in the ``(N, C, L)`` view,
-    and which of its elements are valid (inside the tensor, at a valid position)."""
+    which of its elements are valid (inside the tensor, and at a valid position of a
+    masked call), and which are inside the tensor."""
     sample = tl.cast(sample, tl.int64)  # (a loop's index: a number when interpreted)
     position = first_position + tl.arange(0, BLOCK_L)
     inside = position < length
-    flat = sample * length + position
-    is_valid = tl.load(positions + flat, mask=inside, other=0) != 0
-    valid = (channel < num_channels)[:, None] & is_valid[None, :]
     element = (
         sample * num_channels * length
         + channel[:, None].to(tl.int64) * channel_stride
         + position[None, :].to(tl.int64) * position_stride
     )
     in_tensor = (channel < num_channels)[:, None] & inside[None, :]
+    if MASKED:
+        is_valid = tl.load(positions + sample * length + position, mask=inside, other=0) != 0
+        valid = (channel < num_channels)[:, None] & is_valid[None, :]
+    else:
+        valid = in_tensor
     return element, valid, in_tensor
 
 
 @triton.jit
 def _element_tile(positions, num_channels, length, channel_stride, position_stride,
-                  position_blocks, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+                  position_blocks, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
+                  MASKED: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
     """An element-wise kernel's tile: its channels (and which exist), then :func:`_tile`'s
     offsets and masks; program 0 counts samples times blocks of positions."""
     sample = tl.program_id(0) // position_blocks
@@ -267,7 +280,7 @@ def _element_tile(positions, num_channels, length, channel_stride, position_stri
     channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     element, valid, in_tensor = _tile(
         sample, first_position, channel, num_channels, length, channel_stride,
-        position_stride, positions, BLOCK_L,
+        position_stride, positions, BLOCK_L, MASKED,
     )  # fmt: skip
     return channel, channel < num_channels, element, valid, in_tensor
 
@@ -291,6 +304,7 @@ def _shifted_sums_kernel(  # type: ignore[no-untyped-def]
     position_stride,
     position_blocks,
     tiles_per_share,
+    MASKED: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -304,7 +318,7 @@ def _shifted_sums_kernel(  # type: ignore[no-untyped-def]
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
         element, valid, _ = _tile(
             tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
-            length, channel_stride, position_stride, positions, BLOCK_L,
+            length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
         )  # fmt: skip
         x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
         shifted = tl.where(valid, x - local_shift, 0.0)
@@ -329,13 +343,14 @@ def _normalize_kernel(  # type: ignore[no-untyped-def]
     channel_stride,
     position_stride,
     position_blocks,
+    MASKED: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     stat_type = scale.dtype.element_ty
     channel, inside, element, valid, in_tensor = _element_tile(
         positions, num_channels, length, channel_stride, position_stride, position_blocks,
-        BLOCK_C, BLOCK_L,
+        BLOCK_C, BLOCK_L, MASKED,
     )  # fmt: skip
     x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
     y = (x - _column(shift, channel, inside)) * _column(scale, channel, inside)
@@ -359,6 +374,7 @@ def _backward_reduce_kernel(  # type: ignore[no-untyped-def]
     position_stride,
     position_blocks,
     tiles_per_share,
+    MASKED: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -377,7 +393,7 @@ def _backward_reduce_kernel(  # type: ignore[no-untyped-def]
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
         element, valid, _ = _tile(
             tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
-            length, channel_stride, position_stride, positions, BLOCK_L,
+            length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
         )  # fmt: skip
         dy = tl.load(grad_output + element, mask=valid, other=0.0).to(stat_type)
         x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
@@ -405,13 +421,14 @@ def _input_grad_kernel(  # type: ignore[no-untyped-def]
     channel_stride,
     position_stride,
     position_blocks,
+    MASKED: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     stat_type = scale.dtype.element_ty
     channel, inside, element, valid, in_tensor = _element_tile(
         positions, num_channels, length, channel_stride, position_stride, position_blocks,
-        BLOCK_C, BLOCK_L,
+        BLOCK_C, BLOCK_L, MASKED,
     )  # fmt: skip
     dy = tl.load(grad_output + element, mask=valid, other=0.0).to(stat_type)
     x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
