@@ -42,9 +42,7 @@ compiler refuses).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any
 
 import torch
 import triton
@@ -137,7 +135,7 @@ def finalize_forward(
     counted = num_batches_tracked is not None and update_buffers
     world_size, fingerprint = checks
     unused = buffer  # a pointer the kernel never reads (its flag is off)
-    with _on_device_of(buffer):
+    with triton_passes.on_device_of(buffer):
         _finalize_forward_kernel[(1,)](
             buffer,
             shift,
@@ -221,7 +219,7 @@ def pack_forward(
     buffer = torch.empty(
         _protocol.forward_size(num_channels), dtype=torch.float64, device=shifted_sum.device
     )
-    with _on_device_of(buffer):
+    with triton_passes.on_device_of(buffer):
         _pack_forward_kernel[(1,)](
             shifted_sum,
             shifted_square_sum,
@@ -250,7 +248,7 @@ def pack_backward(
     buffer = torch.empty(
         _protocol.backward_size(num_channels), dtype=torch.float64, device=sum_dy.device
     )
-    with _on_device_of(buffer):
+    with triton_passes.on_device_of(buffer):
         _pack_backward_kernel[(1,)](
             sum_dy, sum_dy_xhat, buffer, num_channels, fingerprint, BLOCK=_BLOCK
         )
@@ -277,7 +275,7 @@ def finalize_backward(
     rows = torch.empty(2, num_channels, dtype=saved.dtype, device=buffer.device)
     header = torch.empty(4, dtype=buffer.dtype, device=buffer.device)
     masked = eps is not None
-    with _on_device_of(buffer):
+    with triton_passes.on_device_of(buffer):
         _finalize_backward_kernel[(1,)](
             buffer,
             saved,
@@ -289,12 +287,6 @@ def finalize_backward(
             BLOCK=_BLOCK,
         )
     return rows, header
-
-
-def _on_device_of(tensor: torch.Tensor) -> Any:
-    """Triton launches on the current device, which need not be the tensors' (a model on
-    cuda:1 without ``torch.cuda.set_device(1)``; torch's own ops guard the device)."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit

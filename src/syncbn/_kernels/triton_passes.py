@@ -34,6 +34,7 @@ GPU run measures them; on the CPU the tests run them through Triton's interprete
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ from syncbn._stats import stat_dtype
 
 __all__ = [
     "backward_reduce",
+    "on_device_of",
     "input_grad",
     "normalize",
     "shift_of",
@@ -97,6 +99,14 @@ def _positions(valid: torch.Tensor | None, input: torch.Tensor) -> tuple[torch.T
     return valid.reshape(-1).contiguous().view(torch.uint8), True
 
 
+def on_device_of(tensor: torch.Tensor) -> Any:
+    """Triton launches on the current device, which need not be the tensors' (a model on
+    cuda:1 without ``torch.cuda.set_device(1)``; torch's own ops guard the device): this
+    context makes it ``tensor``'s, for the kernels here and in
+    :mod:`syncbn._kernels.finalize`."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _reduced(
     kernel: Any, input: torch.Tensor, masked: bool, dtype: torch.dtype, *leading: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,20 +124,21 @@ def _reduced(
     shares = max(1, min(tiles, _REDUCTION_PROGRAMS // channel_blocks))
     tiles_per_share = triton.cdiv(tiles, shares)
     partials = torch.empty(shares, 2, num_channels, dtype=dtype, device=input.device)
-    kernel[(channel_blocks, shares)](
-        *leading,
-        partials,
-        tiles,
-        num_channels,
-        length,
-        channel_stride,
-        position_stride,
-        position_blocks,
-        tiles_per_share,
-        MASKED=masked,
-        BLOCK_C=_BLOCK_C,
-        BLOCK_L=_BLOCK_L,
-    )
+    with on_device_of(input):
+        kernel[(channel_blocks, shares)](
+            *leading,
+            partials,
+            tiles,
+            num_channels,
+            length,
+            channel_stride,
+            position_stride,
+            position_blocks,
+            tiles_per_share,
+            MASKED=masked,
+            BLOCK_C=_BLOCK_C,
+            BLOCK_L=_BLOCK_L,
+        )
     first, second = partials.sum(0).unbind()
     return first, second
 
@@ -142,18 +153,20 @@ def _mapped(kernel: Any, input: torch.Tensor, masked: bool, *leading: Any) -> to
     num_samples, num_channels, length, channel_stride, position_stride, format = _layout(input)
     result = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=format)
     position_blocks = triton.cdiv(length, _BLOCK_L)
-    kernel[(num_samples * position_blocks, triton.cdiv(num_channels, _BLOCK_C))](
-        *leading,
-        result,
-        num_channels,
-        length,
-        channel_stride,
-        position_stride,
-        position_blocks,
-        MASKED=masked,
-        BLOCK_C=_BLOCK_C,
-        BLOCK_L=_BLOCK_L,
-    )
+    grid = (num_samples * position_blocks, triton.cdiv(num_channels, _BLOCK_C))
+    with on_device_of(input):
+        kernel[grid](
+            *leading,
+            result,
+            num_channels,
+            length,
+            channel_stride,
+            position_stride,
+            position_blocks,
+            MASKED=masked,
+            BLOCK_C=_BLOCK_C,
+            BLOCK_L=_BLOCK_L,
+        )
     return result
 
 
