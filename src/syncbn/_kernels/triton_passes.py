@@ -99,6 +99,12 @@ def _positions(valid: torch.Tensor | None, input: torch.Tensor) -> tuple[torch.T
     return valid.reshape(-1).contiguous().view(torch.uint8), True
 
 
+def _ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the grids (``triton.cdiv`` costs microseconds per call on the host
+    in Triton 3.8, a function that kernels may call too)."""
+    return -(-a // b)
+
+
 def on_device_of(tensor: torch.Tensor) -> Any:
     """Triton launches on the current device, which need not be the tensors' (a model on
     cuda:1 without ``torch.cuda.set_device(1)``; torch's own ops guard the device): this
@@ -108,7 +114,12 @@ def on_device_of(tensor: torch.Tensor) -> Any:
 
 
 def _reduced(
-    kernel: Any, input: torch.Tensor, masked: bool, dtype: torch.dtype, *leading: Any
+    kernel: Any,
+    input: torch.Tensor,
+    layout: _Layout,
+    masked: bool,
+    dtype: torch.dtype,
+    *leading: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A reduction kernel's two ``(C,)`` rows of sums: each program sums a block of
     channels over a share of the tiles (a sample's block of positions) into ``partials``,
@@ -117,12 +128,12 @@ def _reduced(
     Args:
         leading: the kernel's arguments before ``partials`` (the layout's follow it).
     """
-    num_samples, num_channels, length, channel_stride, position_stride, _ = _layout(input)
-    channel_blocks = triton.cdiv(num_channels, _BLOCK_C)
-    position_blocks = triton.cdiv(length, _BLOCK_L)
+    num_samples, num_channels, length, channel_stride, position_stride, _ = layout
+    channel_blocks = _ceil_div(num_channels, _BLOCK_C)
+    position_blocks = _ceil_div(length, _BLOCK_L)
     tiles = num_samples * position_blocks
     shares = max(1, min(tiles, _REDUCTION_PROGRAMS // channel_blocks))
-    tiles_per_share = triton.cdiv(tiles, shares)
+    tiles_per_share = _ceil_div(tiles, shares)
     partials = torch.empty(shares, 2, num_channels, dtype=dtype, device=input.device)
     with on_device_of(input):
         kernel[(channel_blocks, shares)](
@@ -143,17 +154,19 @@ def _reduced(
     return first, second
 
 
-def _mapped(kernel: Any, input: torch.Tensor, masked: bool, *leading: Any) -> torch.Tensor:
+def _mapped(
+    kernel: Any, input: torch.Tensor, layout: _Layout, masked: bool, *leading: Any
+) -> torch.Tensor:
     """An element-wise kernel's result: a new tensor of ``input``'s shape, dtype and memory
     format, one program per sample, block of positions and block of channels.
 
     Args:
         leading: the kernel's arguments before the result (the layout's follow it).
     """
-    num_samples, num_channels, length, channel_stride, position_stride, format = _layout(input)
+    num_samples, num_channels, length, channel_stride, position_stride, format = layout
     result = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=format)
-    position_blocks = triton.cdiv(length, _BLOCK_L)
-    grid = (num_samples * position_blocks, triton.cdiv(num_channels, _BLOCK_C))
+    position_blocks = _ceil_div(length, _BLOCK_L)
+    grid = (num_samples * position_blocks, _ceil_div(num_channels, _BLOCK_C))
     with on_device_of(input):
         kernel[grid](
             *leading,
@@ -188,7 +201,8 @@ def shifted_sums(
     (all where ``valid`` is ``None``), ``(C,)`` each in the statistics dtype."""
     positions, masked = _positions(valid, input)
     dtype = stat_dtype(input.dtype)
-    return _reduced(_shifted_sums_kernel, input, masked, dtype, input, positions, shift)
+    layout = _layout(input)
+    return _reduced(_shifted_sums_kernel, input, layout, masked, dtype, input, positions, shift)
 
 
 def normalize(
@@ -202,7 +216,8 @@ def normalize(
     input's dtype and memory format (``scale`` and ``offset``: ``(C,)`` in the statistics
     dtype, from :func:`syncbn._kernels.finalize.finalize_forward`)."""
     positions, masked = _positions(valid, input)
-    return _mapped(_normalize_kernel, input, masked, input, positions, shift, scale, offset)
+    leading = (input, positions, shift, scale, offset)
+    return _mapped(_normalize_kernel, input, _layout(input), masked, *leading)
 
 
 def backward_reduce(
@@ -221,10 +236,11 @@ def backward_reduce(
             (:func:`syncbn._kernels.finalize.finalize_forward` with ``centered_mean``).
         epsilon: ``eps`` in float64 on the device (:func:`syncbn._kernels.finalize.epsilon`).
     """
-    grad_output = grad_output.contiguous(memory_format=_layout(input).format)  # input's strides
+    layout = _layout(input)
+    grad_output = grad_output.contiguous(memory_format=layout.format)  # the input's strides
     positions, masked = _positions(valid, input)
     leading = (grad_output, input, positions, shift, saved, epsilon)
-    return _reduced(_backward_reduce_kernel, input, masked, saved.dtype, *leading)
+    return _reduced(_backward_reduce_kernel, input, layout, masked, saved.dtype, *leading)
 
 
 def input_grad(
@@ -239,10 +255,11 @@ def input_grad(
     """The masked input gradient ``dy * scale + (x - shift) * slope + offset`` where valid, 0
     elsewhere, in the input's dtype and memory format (``slope`` and ``offset``: the
     slope and offset rows of :func:`syncbn._kernels.finalize.finalize_backward`)."""
-    grad_output = grad_output.contiguous(memory_format=_layout(input).format)
+    layout = _layout(input)
+    grad_output = grad_output.contiguous(memory_format=layout.format)
     positions, masked = _positions(valid, input)
     leading = (grad_output, input, positions, shift, scale, slope, offset)
-    return _mapped(_input_grad_kernel, input, masked, *leading)
+    return _mapped(_input_grad_kernel, input, layout, masked, *leading)
 
 
 #: the combination of ``tl.sum``, whose reductions Triton's interpreter runs as one numpy sum
