@@ -16,7 +16,8 @@
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
    30 most expensive functions by own time (``prof-*.txt``), and ``torch.profiler``'s table
    of 20 calls, host time per aten op and CUDA runtime call with counts (``ops-*.txt``),
-   per dtype, layout and check mode, and with ``syncbn._kernels.finalize`` (``-fused``).
+   per dtype, layout and check mode, and with ``syncbn._kernels.finalize`` (``-fused``: with
+   ``syncbn._kernels.triton_passes``; ``-fused-generic-passes``: without).
 3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
    ~2.2 ms into its causes: host time per aten op (a small in-place add), per nccl
    ``all_reduce`` of a forward buffer at world size 1, per Triton launch (a kernel of one
@@ -251,17 +252,21 @@ def profile_calls(
 ) -> None:
     """Host time of eager forward+backward calls, and cProfile's view of it; a variant that
     fails (the fused kernel's first compilation, say) is reported and the others still run."""
+    # fused: syncbn._kernels.finalize (Triton kernels around the collectives) with
+    # syncbn._kernels.triton_passes ("fused") or the generic passes ("fused-generic-passes")
     for dtype, channels_last, mode, fused in (
-        (torch.float32, False, "deferred", False),
-        (torch.float32, False, "deferred", True),
-        (torch.float32, False, "immediate", False),
-        (torch.bfloat16, True, "deferred", False),
+        (torch.float32, False, "deferred", ""),
+        (torch.float32, False, "deferred", "fused"),
+        (torch.float32, False, "deferred", "fused-generic-passes"),
+        (torch.float32, False, "immediate", ""),
+        (torch.bfloat16, True, "deferred", ""),
+        (torch.bfloat16, True, "deferred", "fused"),
     ):
         layout = "cl" if channels_last else "nchw"
-        name = f"{str(dtype).removeprefix('torch.')}-{layout}-{mode}{'-fused' * fused}"
-        # fused: syncbn._kernels.finalize (Triton kernels around the collectives)
+        name = "-".join(filter(None, (str(dtype).removeprefix("torch."), layout, mode, fused)))
         try:
-            _kernels.use_fused_finalize(device.type, enabled=fused)
+            passes = fused == "fused"
+            _kernels.use_fused_finalize(device.type, enabled=bool(fused), triton_passes=passes)
             _profile(device, dtype, channels_last, mode, out / name, say, costs)
         except Exception as error:  # noqa: BLE001 - reported, and the next variant runs
             say(f"32x256x14x14 {name}: failed: {type(error).__name__}: {error}")
