@@ -331,6 +331,31 @@ def test_triton_passes_equal_the_generic_passes(
         assert actual[1].stride() == x.stride(), "the input gradient's memory format"
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_an_input_without_gradient_still_gives_the_parameters_theirs(masked: bool) -> None:
+    """A first layer's input needs no gradient: backward then makes no collective and no
+    input gradient, and the Triton passes' sums still give the weight and bias gradients
+    (and the output its values) of the generic kernels, in float64."""
+
+    def call(fused: bool) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 8, 3, 3, generator=generator, dtype=torch.float64)
+        mask = torch.rand(4, 3, 3, generator=generator) < 0.6 if masked else None
+        weight = torch.rand(8, generator=generator, dtype=torch.float64) + 0.5
+        bias = torch.randn(8, generator=generator, dtype=torch.float64)
+        x, weight, bias = x.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE)
+        weight.requires_grad_(), bias.requires_grad_()
+        options = TrainOptions(LocalReducer(), LayerInfo("first", 8, check_mode="deferred"))
+        on_device = None if mask is None else mask.to(DEVICE)
+        with fused_finalize() if fused else contextlib.nullcontext():
+            y = train_call(x, weight, bias, options, None, None, None, on_device)
+            gradients = torch.autograd.grad(y.square().sum(), (weight, bias))
+        return [t.detach().cpu() for t in (y, *gradients)]
+
+    for actual, expected in zip(call(True), call(False)):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
 #: the Triton kernels of syncbn._kernels.finalize and of syncbn._kernels.triton_passes
 #: (which a masked call's passes take), by module, as the modules name them
 KERNELS = {
