@@ -2,14 +2,15 @@
 path's counterpart of :mod:`syncbn._kernels.generic`'s passes.
 
 Counting a read or a write of the whole tensor as one, the generic kernels move 5 tensors
-in an unmasked forward (a shifted copy, its sums, the output written into it) and 7 in its
-backward (the sums, an eval-mode ``batch_norm``, an ``addcmul_``); a masked call moves 9
-and 11, because padded positions may hold anything (NaN included, which a multiplication
-by zero keeps): the shifted copy is zeroed there and saved for backward, the output's
-offset is added where valid only, the output gradient is zeroed before its sums. These
-kernels read the data only where it is valid (a masked load never reads a padded
-position) and move 3 in forward (the input twice, the output once) and 5 in backward (the
-output gradient and the input twice each, the input gradient once), masked or not, as
+in an unmasked forward (a shifted copy, its sums, the output written into it by
+finalize's one-pass ``addcmul``; 7 with their own two passes) and 7 in its backward (the
+sums, an eval-mode ``batch_norm``, an ``addcmul_``); a masked call moves 9 and 11,
+because padded positions may hold anything (NaN included, which a multiplication by zero
+keeps): the shifted copy is zeroed there and saved for backward, the output's offset is
+added where valid only, the output gradient is zeroed before its sums. These kernels read
+the data only where it is valid (a masked load never reads a padded position) and move 3
+in forward (the input twice, the output once) and 5 in backward (the output gradient and
+the input twice each, the input gradient once), masked or not, as
 cuDNN's BatchNorm does; there is no shifted copy, and backward reads the input itself:
 
 - :func:`shifted_sums`: per channel, the sums of ``x - shift`` and of its squares over
@@ -47,9 +48,9 @@ from syncbn._stats import stat_dtype
 
 __all__ = [
     "backward_reduce",
-    "on_device_of",
     "input_grad",
     "normalize",
+    "on_device_of",
     "shift_of",
     "shifted_sums",
 ]
@@ -212,9 +213,9 @@ def normalize(
     scale: torch.Tensor,
     offset: torch.Tensor,
 ) -> torch.Tensor:
-    """The masked output ``(x - shift) * scale + offset`` where valid, 0 elsewhere, in the
-    input's dtype and memory format (``scale`` and ``offset``: ``(C,)`` in the statistics
-    dtype, from :func:`syncbn._kernels.finalize.finalize_forward`)."""
+    """The output ``(x - shift) * scale + offset`` where valid (everywhere unmasked), 0
+    elsewhere, in the input's dtype and memory format (``scale`` and ``offset``: ``(C,)``
+    in the statistics dtype, from :func:`syncbn._kernels.finalize.finalize_forward`)."""
     positions, masked = _positions(valid, input)
     leading = (input, positions, shift, scale, offset)
     return _mapped(_normalize_kernel, input, _layout(input), masked, *leading)
@@ -252,9 +253,10 @@ def input_grad(
     slope: torch.Tensor,
     offset: torch.Tensor,
 ) -> torch.Tensor:
-    """The masked input gradient ``dy * scale + (x - shift) * slope + offset`` where valid, 0
-    elsewhere, in the input's dtype and memory format (``slope`` and ``offset``: the
-    slope and offset rows of :func:`syncbn._kernels.finalize.finalize_backward`)."""
+    """The input gradient ``dy * scale + (x - shift) * slope + offset`` where valid
+    (everywhere unmasked), 0 elsewhere, in the input's dtype and memory format (``slope``
+    and ``offset``: the slope and offset rows of
+    :func:`syncbn._kernels.finalize.finalize_backward`)."""
     layout = _layout(input)
     grad_output = grad_output.contiguous(memory_format=layout.format)
     positions, masked = _positions(valid, input)
@@ -415,7 +417,7 @@ def _backward_reduce_kernel(  # type: ignore[no-untyped-def]
     local_shift = _column(shift, channel, inside)
     centered_mean = _column(saved, channel, inside)
     var = tl.load(saved + num_channels + channel, mask=inside, other=1.0)
-    # 1 / sqrt(var + eps) in the statistics dtype, as finalize_backward's masked rows
+    # 1 / sqrt(var + eps) in the statistics dtype, as finalize_backward's slope rows
     inverse_std = 1.0 / tl.sqrt(var + tl.load(epsilon).to(stat_type))
     total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
     product_total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
