@@ -571,6 +571,7 @@ def forward_train(
     # outside join_on_error: see resolve_mode
     mode = resolve_mode(options, device)
     fused = None  # syncbn._kernels.finalize, a candidate: off by default
+    triton_passes = False  # with it, syncbn._kernels.triton_passes' passes over the data
     if mode == "deferred":
         fused = fused_finalize_for(device)
         if fused is not None and not fused.applies(running_mean, running_var, weight, bias):

@@ -26,11 +26,10 @@ the sums, the correction pass and the gradient in backward; with
 Deferred calls take them (an immediate call's count is a number on the host), masked ones
 too: their count of valid positions is a tensor that the packing kernel reads on the
 device. With these kernels, the four passes over the data are
-:mod:`syncbn._kernels.triton_passes`' Triton kernels
-(:func:`syncbn._kernels.takes_triton_passes`: a contiguous or channels-last input),
-masked or not: they read only the valid positions
-and save no shifted copy; other strides keep the generic kernels' passes (and
-:func:`normalize` here).
+:mod:`syncbn._kernels.triton_passes`' Triton kernels, masked or not (where
+:func:`syncbn._kernels.takes_triton_passes`: a contiguous or channels-last input): they
+read only the valid positions and save no shifted copy; other strides keep the generic
+kernels' passes (and :func:`normalize` here).
 They are a candidate, off unless :func:`syncbn._kernels.use_fused_finalize` turns them on
 for a device type, until a GPU run measures them faster (``benchmarks/gpu.py``, variant
 ``syncbn-finalize``). This module imports Triton (which torch's CUDA builds install), so
