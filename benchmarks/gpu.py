@@ -165,6 +165,23 @@ def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
     return {"device_ms": statistics.median(device_ms), "host_ms": statistics.median(host_ms)}
 
 
+def captured(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, captured after 3 warm-up calls on a side
+    stream (torch's recipe: what the calls allocate and initialize once happens outside
+    the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def _layer_cases(quick: bool) -> list[tuple[int, int, str, bool]]:
     shapes = RESNET50_SHAPES[::3] if quick else RESNET50_SHAPES
     return [
@@ -285,16 +302,7 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
             continue
         graphed: dict[str, Any]
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graphed = _time(graph.replay, 10 if quick else 30)
+            graphed = _time(captured(step).replay, 10 if quick else 30)
         except Exception as error:  # noqa: BLE001 - recorded: torch's SyncBatchNorm cannot be captured
             graphed = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         results[kind] = {"eager": eager, "graph": graphed}

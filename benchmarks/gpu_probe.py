@@ -25,15 +25,28 @@
    per profiled variant, the aten calls and kernels one call issues (counted by
    ``tests/test_op_budget.py``'s dispatch mode) with the host time they predict.
 
+4. ``passes`` (its own command, ``--passes``): the device time of each of
+   :mod:`syncbn._kernels.triton_passes`' four passes over the data, at shapes of resnet50's
+   largest and smallest activations and of a speech batch, with its effective bandwidth
+   (bytes read and written over time), for the default tiles (16 channels x 64 positions,
+   ~512 programs per reduction) and the alternatives a GPU may prefer: tiles wide in
+   channels for channel-contiguous layouts, and more programs per reduction (a 132-SM H200
+   holds ~4 per SM at 512, too few bytes in flight by Little's law); masked too, at the
+   default. Against cuDNN BatchNorm's forward+backward on the same tensors, which moves the
+   same 8 tensors. Each measurement replays a CUDA graph of the calls (device time, not the
+   host's launches).
+
 Usage::
 
     python benchmarks/gpu_probe.py OUT          # OUT/probe.txt, OUT/prof-*.txt, OUT/ops-*.txt
+    python benchmarks/gpu_probe.py OUT --passes # OUT/probe.txt: the passes' sweep only
     python benchmarks/gpu_probe.py OUT --device cpu   # the same code on the CPU (a dry run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
@@ -42,8 +55,9 @@ import pstats
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +65,12 @@ import torch.distributed as dist
 import syncbn
 from syncbn import _kernels
 from syncbn._cli.launch import run_on_ranks
+from syncbn._stats import stat_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gold  # noqa: E402  (the gold case's data, from the tests)
+from gpu import captured  # noqa: E402  (benchmarks/gpu.py's CUDA graph capture)
 from test_op_budget import _Ops  # noqa: E402  (the op budget's count of aten calls)
 
 __all__ = ["main"]
@@ -336,10 +353,162 @@ def _profile(
     say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
 
 
+#: the passes' sweep: ``(N, C, *positions)``, dtype, channels last; resnet50's largest and
+#: smallest activations of a batch of 32 (bfloat16 channels last, as autocast trains it),
+#: a float32 NCHW block, and a speech batch ``(N, C, T)``
+PASS_SHAPES: list[tuple[tuple[int, ...], torch.dtype, bool]] = [
+    ((32, 64, 112, 112), torch.bfloat16, True),
+    ((32, 256, 56, 56), torch.float32, False),
+    ((32, 2048, 7, 7), torch.bfloat16, True),
+    ((32, 256, 400), torch.float32, False),
+]
+#: ``(channels per tile, positions per tile, programs per reduction)``; the first is the
+#: library's default
+PASS_CONFIGS: list[tuple[int, int, int]] = [
+    (16, 64, 512),
+    (16, 64, 2048),
+    (64, 16, 512),
+    (64, 16, 2048),
+    (32, 32, 1024),
+]
+#: the share of valid positions of the masked row
+PASS_VALID = 0.8
+#: whole-tensor reads and writes of each pass, unmasked (the mask adds 1/C of a tensor)
+PASS_MOVES = {"sums": 1, "normalize": 2, "backward_reduce": 2, "input_grad": 3}
+
+
+@contextlib.contextmanager
+def _tiling(passes: Any, block_c: int, block_l: int, programs: int) -> Iterator[None]:
+    """``syncbn._kernels.triton_passes`` with other tiles and programs per reduction (module
+    constants that each launch reads)."""
+    saved = passes._BLOCK_C, passes._BLOCK_L, passes._REDUCTION_PROGRAMS
+    passes._BLOCK_C, passes._BLOCK_L, passes._REDUCTION_PROGRAMS = block_c, block_l, programs
+    try:
+        yield
+    finally:
+        passes._BLOCK_C, passes._BLOCK_L, passes._REDUCTION_PROGRAMS = saved
+
+
+def _device_us(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Device microseconds per call of ``fn``: on CUDA, the replay of a CUDA graph of
+    ``repeats`` calls between two events (the host's launches out of the timing); on the
+    CPU (a dry run), wall time."""
+    fn()  # compiles the kernels of this signature
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats * 1e6
+    graph = captured(fn, repeats)
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) * 1e3 / repeats
+
+
+def _pass_calls(
+    passes: Any, x: torch.Tensor, dy: torch.Tensor, valid: torch.Tensor | None
+) -> dict[str, Callable[[], object]]:
+    """The four passes of one deferred call on ``x`` and ``dy``, with per-channel rows of
+    the right dtypes and finite values (the timing does not depend on them)."""
+    from syncbn._kernels import finalize
+
+    num_channels = x.shape[1]
+    shift = passes.shift_of(x, valid)
+    rows = torch.rand(4, num_channels, dtype=shift.dtype, device=x.device) + 0.5
+    scale, offset, slope = rows[0], rows[1] - 1.0, rows[2] - 1.0
+    saved = rows.clone()  # [mean - shift, var, scale, scale / -n]
+    epsilon = finalize.epsilon(1e-5, x.device)
+    return {
+        "sums": lambda: passes.shifted_sums(x, valid, shift),
+        "normalize": lambda: passes.normalize(x, valid, shift, scale, offset),
+        "backward_reduce": lambda: passes.backward_reduce(dy, x, valid, shift, saved, epsilon),
+        "input_grad": lambda: passes.input_grad(dy, x, valid, shift, scale, slope, offset),
+    }
+
+
+def _cudnn_us(x: torch.Tensor, dy: torch.Tensor, repeats: int, device: torch.device) -> float:
+    """Device microseconds of torch's BatchNorm forward+backward in training (cuDNN's on
+    CUDA) on ``x`` and ``dy``, with parameters in the statistics dtype (float32, or float64
+    for a float64 input), as a converted model's."""
+    source = x.detach().requires_grad_()
+    dtype = stat_dtype(x.dtype)
+    weight = torch.ones(x.shape[1], dtype=dtype, device=device, requires_grad=True)
+    bias = torch.zeros(x.shape[1], dtype=dtype, device=device, requires_grad=True)
+
+    def call() -> None:
+        output = torch.nn.functional.batch_norm(source, None, None, weight, bias, training=True)
+        torch.autograd.grad(output, (source, weight, bias), dy)
+
+    return _device_us(call, repeats, device)
+
+
+def probe_passes(
+    device: torch.device,
+    say: Callable[[str], None],
+    shapes: list[tuple[tuple[int, ...], torch.dtype, bool]] = PASS_SHAPES,
+    configs: list[tuple[int, int, int]] = PASS_CONFIGS,
+    repeats: int = 20,
+    seconds: float = 50.0,
+) -> None:
+    """Device time and bandwidth of Triton's four passes per shape, tiling and mask (see the
+    module's docstring), against cuDNN BatchNorm's; stops starting shapes after
+    ``seconds``. On the CPU, Triton's interpreter must be on (a dry run of the code)."""
+    from syncbn._kernels import triton_passes as passes
+
+    deadline = time.monotonic() + seconds
+    for shape, dtype, channels_last in shapes:
+        if time.monotonic() > deadline:
+            say(f"passes: stopped after {seconds:.0f} s, before {shape}")
+            return
+        layout = "channels_last" if channels_last else "contiguous"
+        name = f"passes {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
+        try:
+            x = torch.randn(shape, device=device, dtype=dtype)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            dy = torch.randn_like(x)
+            size = x.numel() * x.element_size()
+            bn_us = _cudnn_us(x, dy, repeats, device)
+            bandwidth = 8 * size / bn_us / 1e3
+            say(f"{name}: cuDNN BN forward+backward {bn_us:.1f} us ({bandwidth:.0f} GB/s, 8 moves)")
+            valid = torch.rand((shape[0], 1, *shape[2:]), device=device) < PASS_VALID
+            rows = [(config, None) for config in configs] + [(configs[0], valid)]
+            unmasked_us = 0.0
+            for (block_c, block_l, programs), mask in rows:
+                with _tiling(passes, block_c, block_l, programs):
+                    calls = _pass_calls(passes, x, dy, mask)
+                    times = {key: _device_us(call, repeats, device) for key, call in calls.items()}
+                total = sum(times.values())
+                cells = [
+                    f"{key} {us:.1f} us ({PASS_MOVES[key] * size / us / 1e3:.0f} GB/s)"
+                    for key, us in times.items()
+                ]
+                label = f"tiles {block_c}x{block_l}, {programs} programs"
+                verdict = f"{total / bn_us:.2f}x cuDNN BN"
+                if mask is None:
+                    unmasked_us = unmasked_us or total  # the first row: the default tiling
+                else:
+                    label += f", masked ({PASS_VALID:.0%} valid)"
+                    verdict += f", {total / unmasked_us:.2f}x unmasked"
+                say(f"{name}, {label}: {', '.join(cells)}; 4 passes {total:.1f} us = {verdict}")
+        except Exception as error:  # noqa: BLE001 - reported, and the next shape runs
+            say(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}")
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for probe.txt and prof-*.txt")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
+    parser.add_argument(
+        "--passes", action="store_true", help="only the sweep of Triton's passes (no ranks)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -350,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
         (args.out / "probe.txt").write_text("\n".join(lines) + "\n")
 
+    if args.passes:
+        probe_passes(device, say)
+        return 0
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(backend, init_method=f"file://{tmp}/r", rank=0, world_size=1)

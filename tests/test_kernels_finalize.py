@@ -289,8 +289,38 @@ def test_triton_passes_equal_the_generic_passes(
     the output gradient) and not; with an output gradient of other strides (the expanded
     gradient of a sum); with a reduction spread over many programs, and over 2 (many tiles
     each)."""
+    _assert_passes_equal_the_generic_ones(case, shares, masked)
+
+
+#: tiles other than the default, ``(channels, positions)``, which benchmarks/gpu_probe.py
+#: times on a GPU: wide in channels, square, and small (many blocks of both)
+OTHER_TILES = [(64, 16), (32, 32), (8, 16)]
+
+
+@pytest.mark.parametrize("tiles", OTHER_TILES, ids=lambda tiles: "x".join(map(str, tiles)))
+@pytest.mark.parametrize("case", PASSES_CASES[1:4], ids=lambda case: f"{case[2]}-{len(case[0])}d")
+def test_other_tiles_give_the_same_passes(
+    case: tuple[tuple[int, ...], tuple[int, ...], str], tiles: tuple[int, int]
+) -> None:
+    """The passes with the other tiles that the GPU probe times (so that a GPU run may make
+    one of them the default) equal the generic kernels' passes too, masked, over 3
+    programs per reduction."""
+    _assert_passes_equal_the_generic_ones(case, 3, True, tiles)
+
+
+def _assert_passes_equal_the_generic_ones(
+    case: tuple[tuple[int, ...], tuple[int, ...], str],
+    shares: int | None,
+    masked: bool,
+    tiles: tuple[int, int] | None = None,
+) -> None:
+    """:func:`test_triton_passes_equal_the_generic_passes`' check, with ``shares``
+    programs per reduction (``None``: the default) and ``tiles`` (``(channels,
+    positions)``; ``None``: the default)."""
     with fused_finalize():  # the first import of the kernels: interpreted on the CPU
         from syncbn._kernels import triton_passes
+
+    block_c, block_l = tiles or (triton_passes._BLOCK_C, triton_passes._BLOCK_L)
 
     shape, mask_shape, layout = case
     generator = torch.Generator().manual_seed(0)
@@ -315,9 +345,12 @@ def test_triton_passes_equal_the_generic_passes(
             mock.patch.object(triton_passes, name, wraps=getattr(triton_passes, name))
             for name in ("shifted_sums", "normalize", "backward_reduce", "input_grad")
         ]
-        with mock.patch.object(triton_passes, "_REDUCTION_PROGRAMS", programs):
-            with passes[0] as sums, passes[1] as output, passes[2] as reduce, passes[3] as grad:
-                actual = _layer_call(True, x, mask, make_grad)
+        with contextlib.ExitStack() as patched:
+            patched.enter_context(mock.patch.object(triton_passes, "_REDUCTION_PROGRAMS", programs))
+            patched.enter_context(mock.patch.object(triton_passes, "_BLOCK_C", block_c))
+            patched.enter_context(mock.patch.object(triton_passes, "_BLOCK_L", block_l))
+            sums, output, reduce, grad = (patched.enter_context(p) for p in passes)
+            actual = _layer_call(True, x, mask, make_grad)
         assert [f.call_count for f in (sums, output, reduce, grad)] == [1, 1, 1, 1]
         for name, got, want in zip(
             ["output", "grad input", "grad weight", "grad bias", "running mean", "running var"],
