@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import re
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -526,6 +527,12 @@ def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
                     ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32)
                 )
                 assert binary.asm["cubin"], (name, arch)
+                # the interpreter computes float64 maths with numpy's correct rounding: a
+                # GPU's approximate float64 instruction (tl.math.rsqrt compiles to
+                # rsqrt.approx.f64) would pass every test here and lose the float64
+                # statistics' exactness there
+                approximate = re.findall(r"\b\w+\.approx(?:\.ftz)?\.f64\b", binary.asm["ptx"])
+                assert not approximate, (name, arch, sorted(set(approximate)))
             except Exception as error:  # noqa: BLE001 - each failure is reported below
                 failures.append(f"{name} sm_{arch} {signature} {constants}: {error}")
     assert not failures, "\n".join(failures)
