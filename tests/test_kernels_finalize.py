@@ -407,25 +407,22 @@ KERNELS = {
     ),
 }
 
-#: Triton's name of each dtype of a pointer argument
-_POINTER_TYPES = {
-    torch.float64: "fp64",
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.uint8: "u8",
-}
+
+#: a recorded launch: the module and kernel's name, its arguments, its compile-time constants
+Launch = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
 @contextlib.contextmanager
-def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, Any]]]]:
+def recorded_launches(
+    run: bool = True,
+) -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, Any]]]]:
     """Inside :func:`fused_finalize`: records each launch of :data:`KERNELS` (the module
-    and kernel's name, its arguments and its compile-time constants), then runs it."""
+    and kernel's name, its arguments and its compile-time constants), then runs it (or,
+    ``run=False``, not: the kernels' outputs stay as allocated)."""
     from syncbn._kernels import finalize, triton_passes
 
     modules = {"finalize": finalize, "triton_passes": triton_passes}
-    launches: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    launches: list[Launch] = []
 
     class Recording:
         def __init__(self, module: str, name: str) -> None:
@@ -435,7 +432,7 @@ def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, A
         def __getitem__(self, grid: Any) -> Callable[..., Any]:
             def launch(*args: Any, **constants: Any) -> Any:
                 launches.append((f"{self.module}.{self.name}", args, constants))
-                return self.original[grid](*args, **constants)
+                return self.original[grid](*args, **constants) if run else None
 
             return launch
 
@@ -446,19 +443,60 @@ def recorded_launches() -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, A
         yield launches
 
 
-def _signature(
-    arg_names: list[str], args: tuple[Any, ...], constants: dict[str, Any]
-) -> dict[str, str]:
-    """The types Triton's launcher gives ``args``: a pointer of the tensor's dtype, an
-    integer of 32 bits or, beyond them, 64 (the kernels specialize no integer)."""
-    signature = {}
-    for name, value in zip(arg_names, args):
-        if isinstance(value, torch.Tensor):
-            signature[name] = "*" + _POINTER_TYPES[value.dtype]
-        else:
-            assert type(value) is int, (name, value)
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-    return signature | dict.fromkeys(constants, "constexpr")
+def _compiled_source(
+    kernel: Any, args: tuple[Any, ...], constants: dict[str, Any], arch: int
+) -> Any:
+    """What a launch of ``kernel`` with ``args`` compiles for ``sm_<arch>``, and its options:
+    Triton's launcher specializes the arguments (an integer equal to 1 becomes a constant,
+    one divisible by 16 and a pointer aligned to 16 bytes are marked so, an integer beyond
+    32 bits is an i64), through its own binder (Triton 3.6 to 3.8's internals)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **constants)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, constants, bound, specialization, options
+    )
+    return ASTSource(kernel, signature, constexprs, attrs), options
+
+
+def _benchmark_pass_launches() -> list[Launch]:
+    """The launches of Triton's passes at the shapes, dtypes and layouts of the GPU
+    benchmarks (benchmarks/gpu.py's layers and masked calls, benchmarks/gpu_probe.py's
+    sweep), masked and not, recorded without running them: their integers specialize
+    as the tests' small shapes do not (lengths divisible by 16, one block of positions)."""
+    from test_bench import _load
+
+    gpu, probe = _load("gpu"), _load("gpu_probe")
+    shapes = [
+        ((32, channels, size, size), dtype)
+        for channels, size in gpu.RESNET50_SHAPES
+        for dtype in gpu.DTYPES.values()
+    ]
+    shapes += [
+        (shape, gpu.DTYPES[name]) for shape in gpu.MASKED_SHAPES for name in gpu.MASKED_DTYPES
+    ]
+    shapes += [(shape, dtype) for shape, dtype, _ in probe.PASS_SHAPES]
+    with fused_finalize():
+        from syncbn._kernels import triton_passes
+    with recorded_launches(run=False) as launches:
+        for shape, dtype in shapes:
+            layouts = [torch.contiguous_format] + ([torch.channels_last] if len(shape) == 4 else [])
+            for layout, masked in itertools.product(layouts, (False, True)):
+                x = torch.empty(shape, dtype=dtype, memory_format=layout)
+                x[(0, slice(None)) + (0,) * (len(shape) - 2)] = 0.0  # the shift's values
+                valid = torch.ones((shape[0], 1, *shape[2:]), dtype=torch.bool) if masked else None
+                shift = triton_passes.shift_of(x, valid)
+                rows = torch.ones(4, shape[1], dtype=shift.dtype)
+                epsilon = torch.tensor([1e-5], dtype=torch.float64)
+                triton_passes.shifted_sums(x, valid, shift)
+                triton_passes.normalize(x, valid, shift, rows[0], rows[1])
+                triton_passes.backward_reduce(x, x, valid, shift, rows, epsilon)
+                triton_passes.input_grad(x, x, valid, shift, rows[0], rows[1], rows[2])
+    return launches
 
 
 def _compiled_kernels() -> dict[str, Any]:
@@ -495,46 +533,51 @@ def _ptxas() -> Path | None:
 @pytest.mark.skipif(_ptxas() is None, reason="needs Triton's NVIDIA backend and its ptxas")
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every test here compiles its kernels")
 def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
-    """Each kernel, with every signature that the calls of the parity tests launch (masked
-    calls too), compiles to machine code for sm_80 (A100) and sm_90 (H100, H200), with
-    ptxas and no GPU.
+    """Each kernel, specialized as Triton's launcher specializes every launch of the parity
+    tests (masked calls too), compiles to machine code for sm_80 (A100) and sm_90 (H100,
+    H200), with ptxas and no GPU; and so does each of Triton's passes as the GPU
+    benchmarks launch it (sm_90).
 
     Triton's interpreter runs the kernels as Python, and accepts what its compiler
     refuses: before this test, every forward kernel that moves running statistics
     assigned a dtype inside its channel loop ("Loop carried variable running_type is not
     a triton value" in Triton 3.6 to 3.9), which only a GPU run would have found."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     with fused_finalize(), recorded_launches() as launches:
         for dtypes in LAYER_DTYPES:
             for case in _cases([4, 0], [None]) + _cases([4], [0.6]):
                 _steps(True, *dtypes, case)
     compiled = _compiled_kernels()
-    signatures = {}
-    for name, args, constants in launches:
+    expected = {f"{module}.{name}" for module, names in KERNELS.items() for name in names}
+    assert {name for name, _, _ in launches} == expected
+    # the tests' launches for both GPUs (every dtype); the benchmarks' for the lent
+    # machines' (sm_90), one dtype per specialization of the integers and pointers (~10 s
+    # where every dtype takes ~30)
+    to_compile = [(launch, arch, False) for launch in launches for arch in (80, 90)]
+    to_compile += [(launch, 90, True) for launch in _benchmark_pass_launches()]
+    sources: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+    for (name, args, constants), arch, any_dtype in to_compile:
         module, kernel_name = name.split(".")
         kernel = getattr(compiled[module], kernel_name)
-        signature = _signature(kernel.arg_names, args, constants)
-        signatures[name, repr(signature), repr(constants)] = (kernel, signature, constants)
-    expected = {f"{module}.{name}" for module, names in KERNELS.items() for name in names}
-    assert {name for name, _, _ in signatures} == expected
+        source, options = _compiled_source(kernel, args, constants, arch)
+        types = "any" if any_dtype else repr(source.signature)
+        key = (name, arch, types, repr(source.constants), repr(source.attrs))
+        sources.setdefault(key, (source, options))
     failures = []
-    for (name, _, _), (kernel, signature, constants) in signatures.items():
-        for arch in (80, 90):
-            try:
-                binary = triton.compile(
-                    ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32)
-                )
-                assert binary.asm["cubin"], (name, arch)
-                # the interpreter computes float64 maths with numpy's correct rounding: a
-                # GPU's approximate float64 instruction (tl.math.rsqrt compiles to
-                # rsqrt.approx.f64) would pass every test here and lose the float64
-                # statistics' exactness there
-                approximate = re.findall(r"\b\w+\.approx(?:\.ftz)?\.f64\b", binary.asm["ptx"])
-                assert not approximate, (name, arch, sorted(set(approximate)))
-            except Exception as error:  # noqa: BLE001 - each failure is reported below
-                failures.append(f"{name} sm_{arch} {signature} {constants}: {error}")
+    for (name, arch, *_), (source, options) in sources.items():
+        try:
+            target = GPUTarget("cuda", arch, 32)
+            binary = triton.compile(source, target=target, options=options.__dict__)
+            assert binary.asm["cubin"], (name, arch)
+            # the interpreter computes float64 maths with numpy's correct rounding: a
+            # GPU's approximate float64 instruction (tl.math.rsqrt compiles to
+            # rsqrt.approx.f64) would pass every test here and lose the float64
+            # statistics' exactness there
+            approximate = re.findall(r"\b\w+\.approx(?:\.ftz)?\.f64\b", binary.asm["ptx"])
+            assert not approximate, (name, arch, sorted(set(approximate)))
+        except Exception as error:  # noqa: BLE001 - each failure is reported below
+            failures.append(f"{name} sm_{arch} {source.signature} {source.constants}: {error}")
     assert not failures, "\n".join(failures)
 
 
