@@ -103,6 +103,8 @@ def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
                 )  # fmt: skip
                 cells.append(f"{where} eval-backward {_error(sums[2], exact)}")
                 cells.append(f"{where} sum {_error(dy.to(d).float().sum((0, 2, 3)), exact)}")
+            if device.type == "cuda":
+                cells += _other_cuda_sums(dy.to(device), x.to(device), mean, var, exact)
             say(" | ".join(cells))
     for start, stop in slices:
         for mode in ("immediate", "deferred"):
@@ -121,6 +123,39 @@ def probe_bf16(device: torch.device, say: Callable[[str], None]) -> None:
                 errors.append(_error(layer.bias.grad, dy.double().sum((0, 2, 3))))
                 layer.weight.grad = layer.bias.grad = None
             say(f"layer samples {start}:{stop} {mode}: bias gradient error per step {errors}")
+
+
+def _other_cuda_sums(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, exact: torch.Tensor
+) -> list[str]:
+    """The errors of the local ``sum(dy)`` of the two other CUDA kernels syncbn may take:
+    torch's ``batch_norm_backward_reduce`` (syncbn._kernels.cuda's) and Triton's
+    backward pass (syncbn._kernels.triton_passes, which accumulates in float32). Summing
+    the case's bfloat16 output gradients in bfloat16 gives errors of the failing size
+    (0.05-0.1 on step 1's channel 0, by simulation on the CPU; float16's ~0.01 pass the
+    tolerance), so a kernel that accumulates in the input's dtype would show here."""
+    mean, var = mean.to(x.device), var.to(x.device)
+    ones = torch.ones_like(mean)
+
+    def reduce() -> torch.Tensor:
+        invstd = (var + 1e-5).rsqrt()
+        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, ones, False, True, True)[3]
+
+    def triton() -> torch.Tensor:
+        from syncbn._kernels import finalize, triton_passes
+
+        shift = triton_passes.shift_of(x, None)
+        saved = torch.stack([mean - shift, var, ones, ones])
+        epsilon = finalize.epsilon(1e-5, x.device)
+        return triton_passes.backward_reduce(dy, x, None, shift, saved, epsilon)[0]
+
+    cells = []
+    for name, sum_dy in (("backward_reduce", reduce), ("triton", triton)):
+        try:
+            cells.append(f"cuda {name} {_error(sum_dy(), exact)}")
+        except Exception as error:  # noqa: BLE001 - reported; the other cells still count
+            cells.append(f"cuda {name} failed: {type(error).__name__}: {str(error)[:120]}")
+    return cells
 
 
 def _all_reduce_through_host() -> None:
