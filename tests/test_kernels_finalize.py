@@ -23,6 +23,7 @@ import importlib.util
 import itertools
 import os
 import re
+import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -60,6 +61,21 @@ pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 FUSED_CALLS = ("pack_forward", "finalize_forward", "pack_backward", "finalize_backward")
 
 
+def _import_interpreted() -> None:
+    """With ``TRITON_INTERPRET`` set: the modules of :data:`KERNELS` imported again where an
+    earlier test imported them without it (their kernels compiled, which cannot launch on
+    CPU tensors: tests/test_bench.py runs benchmarks/gpu.py's masked part on the CPU,
+    whose candidate variants then fail as they should, but left this whole file failing
+    in a suite run where Triton is installed)."""
+    from triton.runtime.jit import JITFunction  # (the interpreter's kernels are not one)
+
+    for short in ("triton_passes", "finalize"):  # finalize imports triton_passes
+        module = sys.modules.get(f"syncbn._kernels.{short}")
+        # (a test may have replaced the kernel, recorded_launches: then it is no JITFunction)
+        if module is not None and isinstance(getattr(module, KERNELS[short][0]), JITFunction):
+            importlib.reload(module)
+
+
 @contextlib.contextmanager
 def fused_finalize(triton_passes: bool = True) -> Iterator[Counter[str]]:
     """The fused kernels on for :data:`DEVICE` (on the CPU through Triton's interpreter,
@@ -71,6 +87,8 @@ def fused_finalize(triton_passes: bool = True) -> Iterator[Counter[str]]:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
+        if DEVICE == "cpu":
+            _import_interpreted()
         _kernels.use_fused_finalize(DEVICE, triton_passes=triton_passes)
     finally:
         if interpret:
