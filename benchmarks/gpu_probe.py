@@ -139,7 +139,7 @@ def _other_cuda_sums(
 
     def reduce() -> torch.Tensor:
         invstd = (var + 1e-5).rsqrt()
-        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, ones, False, True, True)[3]
+        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, ones, True, True, True)[3]
 
     def triton() -> torch.Tensor:
         from syncbn._kernels import finalize, triton_passes

@@ -431,9 +431,7 @@ Launch = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
 @contextlib.contextmanager
-def recorded_launches(
-    run: bool = True,
-) -> Iterator[list[tuple[str, tuple[Any, ...], dict[str, Any]]]]:
+def recorded_launches(run: bool = True) -> Iterator[list[Launch]]:
     """Inside :func:`fused_finalize`: records each launch of :data:`KERNELS` (the module
     and kernel's name, its arguments and its compile-time constants), then runs it (or,
     ``run=False``, not: the kernels' outputs stay as allocated)."""
@@ -463,7 +461,7 @@ def recorded_launches(
 
 def _compiled_source(
     kernel: Any, args: tuple[Any, ...], constants: dict[str, Any], arch: int
-) -> Any:
+) -> tuple[Any, Any]:
     """What a launch of ``kernel`` with ``args`` compiles for ``sm_<arch>``, and its options:
     Triton's launcher specializes the arguments (an integer equal to 1 becomes a constant,
     one divisible by 16 and a pointer aligned to 16 bytes are marked so, an integer beyond
