@@ -32,9 +32,10 @@
    ~512 programs per reduction) and the alternatives a GPU may prefer: tiles wide in
    channels for channel-contiguous layouts, and more programs per reduction (at 512 a
    132-SM H200 runs ~4 per SM, predicted to keep fewer bytes in flight than its memory
-   needs, by Little's law: this sweep checks it); masked too, at the default. Against cuDNN BatchNorm's forward+backward on the same tensors, which moves the
-   same 8 tensors. Each measurement replays a CUDA graph of the calls (device time, not the
-   host's launches).
+   needs, by Little's law: this sweep checks it); masked too, at the default. Against
+   cuDNN BatchNorm's forward+backward on the same tensors, which moves the same 8 tensors.
+   Each measurement replays a CUDA graph of the calls (device time, not the host's
+   launches).
 
 Usage::
 
