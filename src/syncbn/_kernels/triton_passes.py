@@ -318,6 +318,30 @@ def _element_tile(positions, num_channels, length, channel_stride, position_stri
 
 
 @triton.jit
+def _reduction_tile(tile, channel, num_channels, length, channel_stride, position_stride,
+                    position_blocks, positions, BLOCK_L: tl.constexpr,
+                    MASKED: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+    """A reduction kernel's ``tile`` (tiles count a sample's blocks of positions, sample
+    after sample; :func:`_reduced` shares them out): :func:`_tile`'s offsets and which
+    elements are valid."""
+    element, valid, _ = _tile(
+        tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
+        length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
+    )  # fmt: skip
+    return element, valid
+
+
+@triton.jit
+def _store_share(partials, share, channel, num_channels, first, second):  # type: ignore[no-untyped-def]
+    """A share's two ``(C,)`` rows of sums, for its block of channels, into ``partials``
+    (``(shares, 2, C)``, which :func:`_reduced` sums over the shares)."""
+    row = partials + share * 2 * num_channels
+    inside = channel < num_channels
+    tl.store(row + channel, first, mask=inside)
+    tl.store(row + num_channels + channel, second, mask=inside)
+
+
+@triton.jit
 def _column(per_channel, channel, inside):  # type: ignore[no-untyped-def]
     """A ``(C,)`` tensor's values for a tile's channels, as a column."""
     return tl.load(per_channel + channel, mask=inside, other=0.0)[:, None]
@@ -348,18 +372,15 @@ def _shifted_sums_kernel(  # type: ignore[no-untyped-def]
     square_total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
     first_tile = share * tiles_per_share
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
-        element, valid, _ = _tile(
-            tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
-            length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
+        element, valid = _reduction_tile(
+            tile, channel, num_channels, length, channel_stride, position_stride,
+            position_blocks, positions, BLOCK_L, MASKED,
         )  # fmt: skip
         x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
         shifted = tl.where(valid, x - local_shift, 0.0)
         total += shifted
         square_total += shifted * shifted
-    row = partials + share * 2 * num_channels
-    inside = channel < num_channels
-    tl.store(row + channel, _row_sums(total), mask=inside)
-    tl.store(row + num_channels + channel, _row_sums(square_total), mask=inside)
+    _store_share(partials, share, channel, num_channels, _row_sums(total), _row_sums(square_total))
 
 
 @triton.jit
@@ -423,19 +444,17 @@ def _backward_reduce_kernel(  # type: ignore[no-untyped-def]
     product_total = tl.full([BLOCK_C, BLOCK_L], 0.0, stat_type)
     first_tile = share * tiles_per_share
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_share, tiles)):
-        element, valid, _ = _tile(
-            tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
-            length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
+        element, valid = _reduction_tile(
+            tile, channel, num_channels, length, channel_stride, position_stride,
+            position_blocks, positions, BLOCK_L, MASKED,
         )  # fmt: skip
         dy = tl.load(grad_output + element, mask=valid, other=0.0).to(stat_type)
         x = tl.load(input + element, mask=valid, other=0.0).to(stat_type)
         dy = tl.where(valid, dy, 0.0)
         total += dy
         product_total += dy * tl.where(valid, x - local_shift - centered_mean, 0.0)
-    row = partials + share * 2 * num_channels
-    tl.store(row + channel, _row_sums(total), mask=inside)
     product = _row_sums(product_total) * inverse_std
-    tl.store(row + num_channels + channel, product, mask=inside)
+    _store_share(partials, share, channel, num_channels, _row_sums(total), product)
 
 
 @triton.jit
