@@ -150,9 +150,12 @@ def test_the_output_is_laid_out_as_batchnorm_lays_it_out(
 ) -> None:
     """A synchronized call's output has torch's strides, so that ``.view`` works on it as on
     BatchNorm's: a transposed ``(N, L, C)`` batch (a Conformer's ``x.transpose(1, 2)``) gave
-    an output in the transposed layout. A mask of all-valid positions changes nothing."""
+    an output in the transposed layout. A mask of all-valid positions changes nothing. So
+    does the input gradient, whatever the output gradient's strides: a masked float32 call
+    gave the contiguous layout of an output gradient (or of an expanded one, the gradient
+    of ``output.sum()``) for a channels-last input."""
     torch.manual_seed(0)
-    x = _LAYOUTS[layout](dtype)
+    x = _LAYOUTS[layout](dtype).requires_grad_()
     channels = x.shape[1]
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     reference = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[
@@ -171,6 +174,13 @@ def test_the_output_is_laid_out_as_batchnorm_lays_it_out(
     # the same strides: a view that works on BatchNorm's output works on this one
     assert output.stride() == expected.stride(), (output.stride(), expected.stride())
     torch.testing.assert_close(output, expected)
+    for grad_output in (torch.randn(x.shape, dtype=dtype), torch.ones((), dtype=dtype)):
+        grad_output = grad_output.expand(x.shape)  # (a no-op for the first)
+        (grad,) = torch.autograd.grad(output, x, grad_output, retain_graph=True)
+        (expected_grad,) = torch.autograd.grad(expected, x, grad_output, retain_graph=True)
+        assert grad.stride() == expected_grad.stride(), (grad.stride(), expected_grad.stride())
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(grad, expected_grad, **tolerance)  # type: ignore[arg-type]
 
 
 def test_a_layer_whose_tracking_was_switched_off_leaves_its_buffers_alone() -> None:
@@ -187,3 +197,48 @@ def test_a_layer_whose_tracking_was_switched_off_leaves_its_buffers_alone() -> N
         assert bn.num_batches_tracked is not None
         assert bn.running_mean.tolist() == [0.0, 0.0] and bn.running_var.tolist() == [1.0, 1.0]
         assert int(bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("check_mode", ["auto", "immediate", "deferred"])
+@pytest.mark.parametrize("path", ["layer", "layer-masked", "synchronized"])
+def test_a_training_call_on_the_meta_device_infers_batchnorms_shapes(
+    path: str, check_mode: str
+) -> None:
+    """Shape inference (a model built on the meta device, run before it is materialised):
+    a training call gives BatchNorm's output and gradients' shapes, dtypes and strides. A
+    masked or synchronized call used to fail there: it copied its cached constants through
+    pinned memory, which needs an accelerator, and its checks read the header back. The
+    meta tensors hold no values, so nothing is checked, and a later call on real tensors
+    is not disturbed."""
+    meta = torch.device("meta")
+    x = torch.empty(4, 3, 5, 6, device=meta).to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    reference = nn.BatchNorm2d(3, device=meta)
+    layer = syncbn.SyncBatchNorm(3, device=meta)
+    layer.check_mode = check_mode
+    mask = torch.ones(4, 5, 6, dtype=torch.bool, device=meta) if path == "layer-masked" else None
+    if path == "synchronized":
+        info = _autograd.LayerInfo("meta", 3, check_mode=check_mode)
+        options = _autograd.TrainOptions(_autograd.LocalReducer(), info)
+        output = _autograd.sync_batch_norm_train(x, layer.weight, layer.bias, options)
+    else:
+        output = layer(x, mask)
+    expected = reference(x)
+    for actual, wanted in (
+        (output, expected),
+        *zip(
+            torch.autograd.grad(output.sum(), (x, layer.weight, layer.bias)),
+            torch.autograd.grad(expected.sum(), (x, reference.weight, reference.bias)),
+        ),
+    ):
+        assert actual.device == meta
+        assert (actual.shape, actual.dtype, actual.stride()) == (
+            wanted.shape,
+            wanted.dtype,
+            wanted.stride(),
+        )
+    real = syncbn.SyncBatchNorm(3)
+    real.check_mode = "deferred"
+    for _ in range(2):  # the second call inspects the first's deferred checks
+        real(torch.randn(4, 3, 5, 6), torch.rand(4, 5, 6) < 0.5).sum().backward()
+    _protocol.raise_deferred(wait=True)

@@ -783,7 +783,7 @@ def backward_train(
             )
         else:
             if valid is not None:
-                grad_output = kernels.zero_padded(grad_output, valid)
+                grad_output = kernels.zero_padded(grad_output, valid, like=input)
             sum_dy, sum_dy_xhat = kernels.backward_reduce(
                 grad_output, input, mean, var, options.eps
             )

@@ -255,7 +255,10 @@ def on_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
 
     Never during a CUDA graph capture (:func:`refuse_during_capture`). On CUDA it is built
     by :func:`_outside_graph_pools`: ready when this returns, and never in the memory pool
-    of a CUDA graph being warmed up (``torch.compile(mode="reduce-overhead")``).
+    of a CUDA graph being warmed up (``torch.compile(mode="reduce-overhead")``). Elsewhere
+    a blocking copy, once per constant, which every device type has (pinned host memory
+    needs an accelerator that provides it: on a machine without one, ``pin_memory()``
+    raised for a layer on the meta device).
     """
     refuse_during_capture(device)
     tensor = torch.tensor(values, dtype=dtype)
@@ -263,7 +266,7 @@ def on_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
         return tensor
     if device.type == "cuda":
         return _outside_graph_pools(tensor, device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _outside_graph_pools(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -464,7 +467,8 @@ def defer_check(
 ) -> None:
     """Start copying the header to the host without waiting; :func:`raise_deferred` checks it.
 
-    Inside a CUDA graph capture nothing is recorded: the host is not there at replay.
+    Inside a CUDA graph capture nothing is recorded: the host is not there at replay; nor
+    for a buffer on the meta device, which holds no values (shape inference).
 
     Args:
         values: the buffer's :func:`header_values`, if the caller has them already.
@@ -472,7 +476,7 @@ def defer_check(
             (a destroyed process group), if they can: the check is then dropped unread,
             and never raises in the call of participants that met later.
     """
-    if _is_capturing(buffer.device):
+    if buffer.device.type == "meta" or _is_capturing(buffer.device):
         return
     if values is None:
         values = header_values(buffer, forward=check.phase == "forward")
@@ -546,6 +550,8 @@ def resolve_check_mode(mode: str, device: torch.device) -> str:
     """``"immediate"`` or ``"deferred"`` for a layer's ``check_mode`` on ``device``."""
     if mode not in CHECK_MODES:
         raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
+    if device.type == "meta":  # no values to read now: deferred, where nothing is kept
+        return "deferred"
     if mode == "auto":
         return "immediate" if device.type == "cpu" else "deferred"
     return mode

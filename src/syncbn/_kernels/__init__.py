@@ -63,7 +63,11 @@ class Kernels(Protocol):
     ) -> torch.Tensor: ...
 
     def zero_padded(
-        self, tensor: torch.Tensor, valid: torch.Tensor, inplace: bool = False
+        self,
+        tensor: torch.Tensor,
+        valid: torch.Tensor,
+        inplace: bool = False,
+        like: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def backward_reduce(

@@ -175,18 +175,35 @@ _SAME_WIDTH_INT = {
 }
 
 
-def zero_padded(tensor: torch.Tensor, valid: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def zero_padded(
+    tensor: torch.Tensor,
+    valid: torch.Tensor,
+    inplace: bool = False,
+    like: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``tensor`` with +0.0 at the padded positions of ``valid`` (``(N, 1, *)`` bool).
 
     Whatever ``tensor`` holds there (NaN and inf included) is replaced: the result equals
     ``torch.where(valid, tensor, 0.0)``, computed as an AND of the bits with words of all
     ones (valid) or all zeros (padded), one fast pass where a bool ``masked_fill_`` or
     ``where`` is 6-10x slower on CPU.
+
+    Args:
+        like: a dense tensor of ``tensor``'s shape whose strides a new result takes (a
+            backward's input, for the output gradient's zeroed copy): the strides that
+            broadcasting gives follow ``tensor``'s, and an expanded output gradient (the
+            gradient of ``output.sum()``) gave a contiguous input gradient for a
+            channels-last input, where BatchNorm's keeps the input's format.
     """
     int_dtype = _SAME_WIDTH_INT[tensor.dtype]
     words = valid.to(int_dtype).neg_()  # True -> -1: every bit set
     bits = tensor.view(int_dtype)
-    return (bits.bitwise_and_(words) if inplace else bits.bitwise_and(words)).view(tensor.dtype)
+    if inplace:
+        return bits.bitwise_and_(words).view(tensor.dtype)
+    if like is None:
+        return bits.bitwise_and(words).view(tensor.dtype)
+    out = torch.empty_like(like, dtype=int_dtype)
+    return torch.bitwise_and(bits, words, out=out).view(tensor.dtype)
 
 
 def first_valid_sample(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
