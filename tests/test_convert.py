@@ -21,7 +21,7 @@ from torch import nn
 
 import syncbn
 from syncbn import _conversion
-from syncbn.data_parallel import SynchronizedBatchNorm2d, convert_model
+from syncbn.data_parallel import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, convert_model
 
 
 class BatchNormAct2d(nn.BatchNorm2d):
@@ -422,7 +422,7 @@ import importlib.util, os, warnings
 from torch import nn
 import syncbn
 from syncbn import _conversion
-from syncbn.data_parallel import SynchronizedBatchNorm2d, convert_model
+from syncbn.data_parallel import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, convert_model
 
 for value in _conversion.BUILT_IN_CONVERTERS.values():  # their modules are in the tree
     origin = importlib.util.find_spec(value.partition(":")[0]).origin
@@ -586,23 +586,104 @@ def test_a_module_held_in_several_places_is_walked_once() -> None:
     assert cast(syncbn.SyncBatchNorm, block[0]).layer_name == "0.0"
 
 
-def test_a_batchnorm_with_computed_parameters_is_left_with_a_warning() -> None:
-    """A parametrized weight lives in a child module, not in the layer: a converted layer
-    kept the meta-device weight of its constructor, and its forward failed."""
+class _Positive(nn.Module):
+    """A parametrization: the tensor is ``|original| + 0.1``."""
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return original.abs() + 0.1
+
+
+def _original(layer: Any, name: str) -> torch.Tensor:
+    """The original tensor that ``layer``'s parametrized ``name`` is computed from."""
+    return cast(torch.Tensor, getattr(layer.parametrizations, name).original)
+
+
+def test_parametrizations_are_carried_over_both_ways() -> None:
+    """A parametrized weight or bias (``torch.nn.utils.parametrize``) is computed from a
+    child module, not a Parameter of the layer: converted layers were left as they were
+    (with a warning), and a layer parametrized after its conversion (the order README
+    advised) reverted to a BatchNorm whose weight was its constructor's meta tensor."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv1d(3, 3, 1), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    torch.nn.utils.parametrize.register_parametrization(reference[1], "weight", _Positive())
+    model = copy.deepcopy(reference)
+    original = _original(model[1], "weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+        # parametrized after the conversion
+        torch.nn.utils.parametrize.register_parametrization(model[2], "bias", _Positive())
+        torch.nn.utils.parametrize.register_parametrization(reference[2], "bias", _Positive())
+    for index in (1, 2):
+        assert isinstance(model[index], syncbn.SyncBatchNorm)
+        assert torch.nn.utils.parametrize.is_parametrized(model[index])
+    assert _original(model[1], "weight") is original  # shared, not copied
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(4, 3, 5)
+    expected = reference(x)
+    torch.testing.assert_close(model(x), expected)
+    # masked (all valid): the synchronized maths, whose gradient reaches the original
+    masked = model[2](model[1](model[0](x), torch.ones(4, 5, dtype=torch.bool)))
+    torch.testing.assert_close(masked, expected)
+    originals = (
+        _original(reference[1], "weight"),
+        _original(reference[2], "bias"),
+    )
+    expected_grads = torch.autograd.grad(expected.pow(2).sum(), originals)
+    grads = torch.autograd.grad(
+        masked.pow(2).sum(),
+        (original, _original(model[2], "bias")),
+    )
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)
+    copied = copy.deepcopy(model)  # a parametrized class refuses __getstate__
+    torch.testing.assert_close(copied(x), model(x))
+    syncbn.revert_sync_batchnorm(model)
+    for index in (1, 2):
+        assert type(model[index]).__mro__[1] is nn.BatchNorm1d
+        assert torch.nn.utils.parametrize.is_parametrized(model[index])
+    assert _original(model[1], "weight") is original
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_convert_model_carries_parametrizations_over() -> None:
+    """The DataParallel API's conversion shares them too."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.BatchNorm1d(3))
+    torch.nn.utils.parametrize.register_parametrization(reference[0], "weight", _Positive())
+    model = copy.deepcopy(reference)
+    original = _original(model[0], "weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_model(model)
+    assert type(model[0]).__mro__[1] is SynchronizedBatchNorm1d
+    assert _original(model[0], "weight") is original
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_a_batchnorm_whose_weight_hooks_compute_is_left_with_a_warning() -> None:
+    """The hook-based ``weight_norm`` takes the weight out of the layer's Parameters and
+    computes it in a forward pre-hook, which a converted layer would not run."""
     model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
-    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates weight_norm
+        torch.nn.utils.weight_norm(model[0])
     before = model.state_dict()
-    with pytest.warns(UserWarning, match=r"1 BatchNorm layer\(s\) unconverted: '0' .*computed"):
+    with pytest.warns(UserWarning, match=r"1 BatchNorm layer\(s\) unconverted: '0' .*hooks"):
         syncbn.convert_sync_batchnorm(model)
     assert type(model[1]) is syncbn.SyncBatchNorm
-    assert type(model[0]).__name__ == "ParametrizedBatchNorm1d"  # left as it was
+    assert type(model[0]) is nn.BatchNorm1d  # left as it was
     assert model.state_dict().keys() == before.keys()
     model(torch.randn(4, 3))
     model = nn.Sequential(nn.BatchNorm1d(3))
-    torch.nn.utils.parametrize.register_parametrization(model[0], "bias", nn.Identity())
-    with pytest.warns(UserWarning, match=r"convert_model left '0' .*computed"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model[0], "bias")
+    with pytest.warns(UserWarning, match=r"convert_model left '0' .*hooks"):
         convert_model(model)
-    assert type(model[0]).__name__ == "ParametrizedBatchNorm1d"
+    assert type(model[0]) is nn.BatchNorm1d
 
 
 class CountingBatchNorm1d(nn.BatchNorm1d):

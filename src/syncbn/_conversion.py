@@ -17,12 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 __all__ = [
     "BUILT_IN_CONVERTERS",
     "Converter",
     "ENTRY_POINT_GROUP",
     "batchnorm_twin",
+    "carry_parametrizations",
     "convert_modules",
     "converter_for",
     "describe_module",
@@ -101,11 +103,30 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         **kwargs,
     )
     share_state(source, twin)  # None entries too (torch >= 2.13's bias=False)
+    carry_parametrizations(source, twin)
     # a SyncBatchNorm built on the meta device now holds tensors on another device
     prepare = getattr(twin, "_prepare_compiled_state", None)
     if prepare is not None:
         prepare()
     return twin
+
+
+def carry_parametrizations(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` the parametrizations (``torch.nn.utils.parametrize``) of ``source``'s
+    tensors, sharing them: the same parametrization modules and original tensors.
+
+    A parametrized tensor is computed from ``source.parametrizations``, a child module,
+    and is not among ``source``'s Parameters, which :func:`share_state` shares; a twin
+    kept the meta-device tensor of its constructor there. Registering a parametrization
+    makes ``target``'s class compute that tensor: an identity, which evaluates nothing,
+    and then ``source``'s list of parametrizations in its place.
+    """
+    if not parametrize.is_parametrized(source) or target is source:
+        return
+    for name in source.parametrizations:  # type: ignore[union-attr]
+        if not parametrize.is_parametrized(target, name):
+            parametrize.register_parametrization(target, name, nn.Identity(), unsafe=True)
+    target.parametrizations = source.parametrizations
 
 
 def register_converter(
@@ -240,11 +261,13 @@ def describe_module(module: nn.Module, path: str) -> str:
 
 
 def computed_parameters(module: nn.Module) -> bool:
-    """Whether an affine BatchNorm's weight or bias is computed, not a Parameter of its own
-    (``torch.nn.utils.parametrize``, ``weight_norm`` take it out of the module's
-    Parameters): a converted layer would lose that."""
+    """Whether an affine BatchNorm's weight or bias is computed by hooks, not a Parameter of
+    its own (the hook-based ``torch.nn.utils.weight_norm`` takes it out of the module's
+    Parameters): a converted layer would lose that. A tensor parametrized by
+    ``torch.nn.utils.parametrize`` is carried over (:func:`carry_parametrizations`)."""
     return bool(getattr(module, "affine", False)) and any(
-        name not in module._parameters for name in ("weight", "bias")
+        name not in module._parameters and not parametrize.is_parametrized(module, name)
+        for name in ("weight", "bias")
     )
 
 
@@ -272,10 +295,12 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     group = walk.process_group
     if group is None:
         group = getattr(module, "process_group", None)
+    # the class the user chose (a parametrized layer's class is one that torch derived)
+    cls = parametrize.type_before_parametrizations(module)
     # a registered converter wins, also for a class with BatchNorm's own forward
-    converter = _registered_converter(type(module))
+    converter = _registered_converter(cls)
     if converter is None and not _is_plain_batchnorm(module, walk.sync_class):
-        converter = converter_for(type(module))  # may load an entry point
+        converter = converter_for(cls)  # may load an entry point
         if converter is None:
             walk.unconverted.append(described)
             return module
@@ -283,13 +308,14 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
         result = batchnorm_twin(module, walk.sync_class)
     else:
         result = converter.to_sync(module)
+        carry_parametrizations(module, result)
     if not isinstance(result, walk.sync_class):
         raise TypeError(
-            f"the converter registered for {type(module).__qualname__} returned a "
+            f"the converter registered for {cls.__qualname__} returned a "
             f"{type(result).__qualname__}, expected a {walk.sync_class.__qualname__}"
         )
     result.process_group = group
-    result._original_class = type(module)
+    result._original_class = cls
     return result
 
 
@@ -337,9 +363,10 @@ def convert_modules(
     if walk.computed:
         warnings.warn(
             f"convert_sync_batchnorm left {len(walk.computed)} BatchNorm layer(s) "
-            f"unconverted: {_listed(walk.computed)}. Their weight or bias is computed "
-            "(torch.nn.utils.parametrize, weight_norm), which a converted layer would lose, "
-            "so they keep local (per-rank) statistics. Convert before parametrizing.",
+            f"unconverted: {_listed(walk.computed)}. Their weight or bias is computed by "
+            "hooks (the hook-based torch.nn.utils.weight_norm), which a converted layer "
+            "would lose, so they keep local (per-rank) statistics. Convert first, or use "
+            "torch.nn.utils.parametrize (carried over).",
             stacklevel=3,
         )
     if walk.lazy:

@@ -193,13 +193,17 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         """The default deep copy, except that the copy shares the process group.
 
         A process group cannot be copied (torch.nn.SyncBatchNorm's deep copy raises there);
-        the copy synchronizes over the same ranks, as a copy of a model should.
+        the copy synchronizes over the same ranks, as a copy of a model should. The state is
+        ``torch.nn.Module``'s: a parametrized layer's class (``torch.nn.utils.parametrize``)
+        refuses ``__getstate__``, which guards pickling, not copies.
         """
         if self.process_group is not None:
             memo[id(self.process_group)] = self.process_group
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        module_state = getattr(torch.nn.Module, "__getstate__", None)  # (torch >= 2.1)
+        state = dict(self.__dict__) if module_state is None else module_state(self)
+        copied.__setstate__(copy.deepcopy(state, memo))
         return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn._conversion import (
     batchnorm_twin,
+    carry_parametrizations,
     convert_modules,
     converter_for,
     describe_module,
@@ -86,8 +87,9 @@ def convert_sync_batchnorm(
     time a model holds one. A subclass with its own ``forward`` and no converter is
     left unconverted, with one warning naming it: converting it would silently drop
     what its ``forward`` adds. Unmaterialised lazy layers, and layers whose weight or
-    bias is computed (``torch.nn.utils.parametrize``, ``weight_norm``: convert before
-    parametrizing), are left unconverted with a warning too. A layer held in several
+    bias is computed by hooks (the hook-based ``torch.nn.utils.weight_norm``: convert
+    first), are left unconverted with a warning too; parametrizations
+    (``torch.nn.utils.parametrize``) are carried over, both ways. A layer held in several
     places (one BatchNorm called twice) becomes one SyncBatchNorm in all of them. Each
     converted layer remembers the class it replaced, for :func:`revert_sync_batchnorm`.
     Hooks registered on a BatchNorm layer are not carried over, as with torch's
@@ -131,7 +133,9 @@ def _plain_twin(layer: SyncBatchNorm, path: str) -> nn.Module:
         return batchnorm_twin(layer, _batchnorm_class(layer.last_input_dim))
     converter = converter_for(original)
     if converter is not None and converter.to_plain is not None:
-        return converter.to_plain(layer)
+        plain = converter.to_plain(layer)
+        carry_parametrizations(layer, plain)
+        return plain
     kwargs = (
         {"process_group": layer.process_group} if issubclass(original, nn.SyncBatchNorm) else {}
     )

@@ -459,8 +459,8 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
             return module
         if computed_parameters(module):
             skipped.append(
-                f"{described}: its weight or bias is computed (torch.nn.utils.parametrize, "
-                "weight_norm), which a converted layer would lose"
+                f"{described}: its weight or bias is computed by hooks (the hook-based "
+                "torch.nn.utils.weight_norm), which a converted layer would lose"
             )
             return module
         return batchnorm_twin(module, sync_class)
@@ -474,8 +474,9 @@ def convert_model(module: nn.Module) -> nn.Module:
     Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
     ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``,
-    a layer whose weight or bias is computed (``torch.nn.utils.parametrize``), or a
-    lazy layer not yet materialised is left unconverted with a warning naming it. A
+    a layer whose weight or bias is computed by hooks (the hook-based ``weight_norm``), or
+    a lazy layer not yet materialised is left unconverted with a warning naming it;
+    parametrizations (``torch.nn.utils.parametrize``) are carried over, shared. A
     layer held in several places becomes one synchronized layer in all of them. If
     ``module`` is a ``torch.nn.DataParallel``, its inner module is converted and returned
     wrapped in :class:`DataParallelWithCallback` with the same ``device_ids``,
