@@ -1,6 +1,7 @@
 """A masked SyncBatchNorm call's compute against an unmasked one, per layer, eager and compiled.
 
-    python benchmarks/masked.py            # ~4 min on 2 CPU cores; writes masked.md and masked.json
+    python benchmarks/masked.py            # ~1-6 min on 2 CPU cores (inductor's cache);
+                                           # writes masked.md and masked.json
     python benchmarks/masked.py --quick    # eager only, two shapes (~1 min)
 
 One process, one thread, training forward+backward (``torch.autograd.grad`` of the input,
@@ -87,10 +88,31 @@ def _compiled(shape: tuple[int, ...]) -> dict[str, float]:
     return times
 
 
-def _eager_without_trimming(quick: bool) -> list[dict[str, float]]:
-    """The eager rows again, in a child process whose glibc never trims or mmaps buffers."""
-    options = ["--eager-child"] + (["--quick"] if quick else [])
+def _without_trimming(quick: bool) -> list[dict[str, float]]:
+    """The rows again, in a child process whose glibc never trims or mmaps buffers."""
+    options = ["--child"] + (["--quick"] if quick else [])
     rows: list[dict[str, float]] = json_without_trimming(Path(__file__), *options)
+    return rows
+
+
+def _measure(quick: bool) -> list[dict[str, Any]]:
+    """The eager rows, and unless ``quick`` the compiled ones."""
+    shapes = SHAPES[:2] if quick else SHAPES
+    rows: list[dict[str, Any]] = [{"shape": list(s), "mode": "eager", **_eager(s)} for s in shapes]
+    if quick:
+        return rows
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    with tempfile.TemporaryDirectory() as directory:
+        init = f"file://{os.path.join(directory, 'rendezvous')}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        try:
+            rows += [
+                {"shape": list(s), "mode": "compiled", **_compiled(s)} for s in COMPILED_SHAPES
+            ]
+        finally:
+            dist.destroy_process_group()
     return rows
 
 
@@ -103,7 +125,7 @@ def _render(rows: list[dict[str, Any]], info: dict[str, Any], quick: bool) -> st
         f"float32, forward+backward, {int(VALID * 100)}% of the positions valid. Per variant "
         f"the best of {ROUNDS} medians of `torch.utils.benchmark` blocks (>= 0.2 s). Load "
         f"average at the end: {info['load_average']}. Target: masked <= 1.3x unmasked. "
-        "Verdicts use the default allocator; the no-trim columns repeat the eager rows in a "
+        "Verdicts use the default allocator; the no-trim columns repeat every row in a "
         "process whose glibc neither trims nor mmaps large buffers "
         f"(`{' '.join(f'{k}={v}' for k, v in NO_TRIM_ENV.items())}`), which removes this VM's "
         "page faults (they move single default-allocator rows by 2-3x between runs).",
@@ -132,32 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="eager only, two shapes")
     parser.add_argument("--out", type=Path, default=HERE / "masked.md")
-    parser.add_argument("--eager-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    shapes = SHAPES[:2] if args.quick else SHAPES
-    rows = [{"shape": list(s), "mode": "eager", **_eager(s)} for s in shapes]
-    if args.eager_child:
+    rows = _measure(args.quick)
+    if args.child:
         sys.stdout.write(
             json.dumps([{k: v for k, v in r.items() if k.endswith("ms")} for r in rows])
         )
         return 0
-    for row, no_trim in zip(rows, _eager_without_trimming(args.quick)):
+    for row, no_trim in zip(rows, _without_trimming(args.quick)):
         row.update({f"no_trim_{key}": value for key, value in no_trim.items()})
-    if not args.quick:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.compile_threads = 1
-        with tempfile.TemporaryDirectory() as directory:
-            init = f"file://{os.path.join(directory, 'rendezvous')}"
-            dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-            try:
-                rows += [
-                    {"shape": list(s), "mode": "compiled", **_compiled(s)} for s in COMPILED_SHAPES
-                ]
-            finally:
-                dist.destroy_process_group()
     info = machine_info()
     text = _render(rows, info, args.quick)
     args.out.write_text(text)
