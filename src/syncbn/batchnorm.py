@@ -219,8 +219,18 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         # a new site tensor, where the copied layer's was
         self._prepare_compiled_state(None if site is None else lambda: site.device)
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        parameters = (self.weight, self.bias, self.running_mean, self.running_var)
+    def _check_input_dim(
+        self, input: torch.Tensor, parameters: tuple[torch.Tensor | None, ...] | None = None
+    ) -> None:
+        """Raise what an invalid ``input`` deserves.
+
+        Args:
+            parameters: the layer's weight, bias and running statistics, where the caller
+                has read them already (each read goes through ``torch.nn.Module.__getattr__``:
+                a microsecond or so of host time per call saved on small layers).
+        """
+        if parameters is None:
+            parameters = (self.weight, self.bias, self.running_mean, self.running_var)
         problem = input_problem(input, self.num_features, parameters=parameters)
         if problem is not None:
             raise problem
@@ -269,13 +279,11 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Eval never communicates: exactly torch's BatchNorm (padded positions zero)."""
         # each read of a parameter or buffer goes through torch.nn.Module.__getattr__: read
-        # once (ten reads were ~2 of the ~4 µs a call adds to BatchNorm's on the host)
+        # once (ten reads were ~2 of the ~4 µs a call added to BatchNorm's on the host)
         weight, bias = self.weight, self.bias
         running_mean, running_var = self.running_mean, self.running_var
-        parameters = (weight, bias, running_mean, running_var)
-        problem = input_problem(input, self.num_features, parameters=parameters)
-        if problem is None and mask is not None:
-            problem = _composite.mask_problem(mask, input)
+        self._check_input_dim(input, (weight, bias, running_mean, running_var))
+        problem = None if mask is None else _composite.mask_problem(mask, input)
         if problem is not None:
             raise problem
         if running_mean is None and running_var is None:
@@ -336,24 +344,28 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
                 running_var=self.running_var,
                 num_batches_tracked=counted,
             )
-        self._check_input_dim(input)
+        # each read of a parameter or buffer goes through torch.nn.Module.__getattr__: once
+        weight, bias = self.weight, self.bias
+        running_mean, running_var = self.running_mean, self.running_var
+        self._check_input_dim(input, (weight, bias, running_mean, running_var))
         tracking = self.track_running_stats
         update = tracking and not is_recomputing()
         factor = 0.0 if self.momentum is None else self.momentum
-        if update and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        counted = self.num_batches_tracked
+        if update and counted is not None:
+            counted.add_(1)
             if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+                factor = 1.0 / float(counted)
         # a recomputation passes the running statistics too, with a factor of 0 (they stay as
         # they are): non-reentrant checkpointing requires it to save what the forward saved.
         # A layer whose tracking was switched off after it was built passes none, as torch's
         # layers do: a factor of 0 would still write 0 * NaN into them
         return F.batch_norm(
             input,
-            self.running_mean if tracking else None,
-            self.running_var if tracking else None,
-            self.weight,
-            self.bias,
+            running_mean if tracking else None,
+            running_var if tracking else None,
+            weight,
+            bias,
             True,
             factor if update else 0.0,
             self.eps,
