@@ -686,6 +686,24 @@ def test_a_batchnorm_whose_weight_hooks_compute_is_left_with_a_warning() -> None
     assert type(model[0]) is nn.BatchNorm1d
 
 
+def test_a_layer_whose_weight_hooks_compute_is_not_reverted() -> None:
+    """The same from the other side: weight_norm on a converted layer (its weight then
+    computed by a hook that a plain twin would not run). Reverted, the layer held its
+    constructor's meta-device weight and its forward failed."""
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    syncbn.convert_sync_batchnorm(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model[0])
+    x = torch.randn(4, 3)
+    expected = model(x)
+    with pytest.warns(UserWarning, match=r"left 1 layer\(s\) synchronized: '0' .*hooks"):
+        syncbn.revert_sync_batchnorm(model)
+    assert isinstance(model[0], syncbn.SyncBatchNorm)  # left as it was
+    assert type(model[1]) is nn.BatchNorm1d
+    torch.testing.assert_close(model(x), expected)
+
+
 class CountingBatchNorm1d(nn.BatchNorm1d):
     """A subclass with BatchNorm's forward and buffers of its own."""
 

@@ -25,6 +25,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "batchnorm_twin",
     "carry_parametrizations",
+    "computed_parameters",
     "convert_modules",
     "converter_for",
     "describe_module",

@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn._conversion import (
     batchnorm_twin,
     carry_parametrizations,
+    computed_parameters,
     convert_modules,
     converter_for,
     describe_module,
@@ -154,11 +155,14 @@ def _keeps_own_forward(layer: SyncBatchNorm) -> bool:
     return layer._original_class is None and type(layer).forward is not SyncBatchNorm.forward
 
 
-def _revert(module: nn.Module, path: str, kept: list[str]) -> nn.Module:
+def _revert(module: nn.Module, path: str, kept: list[str], computed: list[str]) -> nn.Module:
     if not isinstance(module, SyncBatchNorm):
         return module
     if _keeps_own_forward(module):
         kept.append(describe_module(module, path))
+        return module
+    if computed_parameters(module):  # a twin would hold its constructor's meta tensor
+        computed.append(describe_module(module, path))
         return module
     return _plain_twin(module, path)
 
@@ -192,12 +196,22 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> model = syncbn.revert_sync_batchnorm(model)  # e.g. before export
     """
     kept: list[str] = []
-    result = replace_modules(module, lambda current, path: _revert(current, path, kept))
+    computed: list[str] = []
+    result = replace_modules(module, lambda current, path: _revert(current, path, kept, computed))
     if kept:
         warnings.warn(
             f"revert_sync_batchnorm left {len(kept)} layer(s) synchronized: {', '.join(kept)}. "
             "Their class overrides forward() and they were built directly, not converted, so "
             "no plain BatchNorm class is known that keeps what that forward adds.",
+            stacklevel=2,
+        )
+    if computed:
+        warnings.warn(
+            f"revert_sync_batchnorm left {len(computed)} layer(s) synchronized: "
+            f"{', '.join(computed)}. Their weight or bias is computed by hooks (the "
+            "hook-based torch.nn.utils.weight_norm), which a reverted layer would lose. "
+            "Remove the hooks first (torch.nn.utils.remove_weight_norm), or use "
+            "torch.nn.utils.parametrize (carried over).",
             stacklevel=2,
         )
     return result
