@@ -127,26 +127,21 @@ def test_vmap_over_models_equals_batchnorm(mode: str) -> None:
     torch.testing.assert_close(torch.vmap(converted)(xs), torch.vmap(reference)(xs))
 
 
-def _folded_pair() -> tuple[nn.Sequential, nn.Module]:
-    """Conv, BatchNorm, ReLU as modules (what conv-BN folding matches), and its converted copy,
-    with moved running statistics, both in eval mode."""
-    reference, _ = _trained_pair()
-    sequential = nn.Sequential(reference.conv, reference.norm, nn.ReLU()).eval()
-    return sequential, syncbn.convert_sync_batchnorm(copy.deepcopy(sequential))
-
-
 def test_conv_bn_folding_takes_a_layer_directly_and_a_model_after_reverting() -> None:
     from torch.ao.quantization import fuse_modules
     from torch.fx.experimental.optimization import fuse
     from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-    reference, converted = _folded_pair()
+    # Conv, BatchNorm, ReLU as modules in a row: what the model-level folders match.
+    reference_block, converted_block = _trained_pair()
+    conv, layer = converted_block.get_submodule("conv"), converted_block.get_submodule("norm")
+    assert isinstance(conv, nn.Conv1d) and isinstance(layer, syncbn.SyncBatchNorm)
+    reference = nn.Sequential(reference_block.conv, reference_block.norm, nn.ReLU()).eval()
+    converted = nn.Sequential(conv, layer, nn.ReLU()).eval()
     x, _ = _inputs(3)
     expected = converted(x)
     torch.testing.assert_close(expected, reference(x))
     # The function reads the layer's running statistics and affine parameters: it takes ours.
-    conv, layer = converted.get_submodule("0"), converted.get_submodule("1")
-    assert isinstance(conv, nn.Conv1d) and isinstance(layer, syncbn.SyncBatchNorm)
     folded_conv = fuse_conv_bn_eval(conv, layer)
     torch.testing.assert_close(torch.relu(folded_conv(x)), expected)
     # The model-level tools match each module's exact class (as for torch.nn.SyncBatchNorm):
