@@ -2,9 +2,10 @@
 
 Most scenarios compile with the ``aot_eager`` backend: it runs dynamo and AOTAutograd
 (the tracing that graph breaks, fake kernels and the autograd formula of syncbn's custom
-ops are about) without inductor's C++ code generation, which costs ~30 s per rank on
-this 2-core machine. One scenario compiles with inductor, the default backend, for one
-training step.
+ops are about) without inductor's C++ code generation, which costs g++ seconds per kernel
+on this 2-core machine while the cache is cold. The scenarios about inductor itself (the
+order of collectives on an empty rank, compiled equals eager, fusion) compile at most two
+graphs per rank, from the pool's scalar kernels (see ``tests/_harness.py``).
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ def _inductor_vs_eager(rank: int, world_size: int, channels_last: bool) -> dict[
     compiled = torch.compile(compiled_model, fullgraph=True)  # inductor: generated C++ kernels
     gen = torch.Generator().manual_seed(rank)
     records: dict[str, list[dict[str, torch.Tensor]]] = {"eager": [], "compiled": []}
-    for size in _local_sizes(rank, world_size)[:3]:  # uneven, then an empty rank
+    # uneven, then an empty rank: two graphs per rank at most (static sizes, then 0 or
+    # dynamic ones), each costing g++ seconds per kernel on a cold cache
+    for size in _local_sizes(rank, world_size)[:2]:
         x = torch.randn(size, 3, 4, 4, generator=gen, dtype=torch.float64)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -399,13 +402,18 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
 
 
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
-    """Rank 0's third local batch is empty (a graph of its own: dynamo specializes size 0).
+    """Rank 0's second local batch is empty (a graph of its own: dynamo specializes size 0),
+    while rank 1's runs the graph recompiled for dynamic sizes: two graphs per rank, each
+    of which costs g++ seconds per kernel on a cold cache.
 
     Without the chain of ``syncbn._compiled``'s ops (the forward order token, each
     backward op reading the previous one's output), nothing in that graph orders one
     layer's collective op after another's, and inductor ran them out of order there: in
     the forward of the convolutional model (2 layers), in the backward of the linear one
-    (4 layers). Both were checked with the chain taken out.
+    (3 layers; with 2 the order held by chance, and the linear model's forward kept it).
+    Both were checked with the chain taken out (on 2026-11-29 with these sizes: the
+    forward token replaced by a fresh tensor fails the convolutional case, each backward
+    op reading its own input fails the linear one).
     """
     _inductor_once()
     torch._dynamo.reset()
@@ -420,7 +428,7 @@ def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tup
         ]
         shape: tuple[int, ...] = (3, 9, 9)
     else:
-        widths = [3, 8, 4, 6, 5]
+        widths = [3, 8, 4, 5]
         layers = []
         for width_in, width in zip(widths, widths[1:]):
             layers += [nn.Linear(width_in, width), nn.BatchNorm1d(width), nn.ReLU()]
@@ -434,7 +442,7 @@ def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tup
             y.sin().sum().backward()
 
     outcomes = []
-    sizes = [4, 3, 0] if rank == 0 else [5, 4, 2]
+    sizes = [4, 0] if rank == 0 else [5, 2]
     for index, size in enumerate(sizes):
         x = torch.randn(size, *shape, dtype=torch.float64, requires_grad=True)
         # the convolutional model's empty step is forward only: inductor's compiled
@@ -450,7 +458,7 @@ def test_an_empty_rank_keeps_the_order_of_collectives_under_inductor(
     pool2: WorkerPool, kind: str
 ) -> None:
     for outcomes in pool2.run(_empty_rank_with_inductor, kind, timeout=240.0):
-        assert outcomes == [("ok", "")] * 3, outcomes
+        assert outcomes == [("ok", "")] * 2, outcomes
 
 
 class _CheckpointedFirstLayer(nn.Module):
