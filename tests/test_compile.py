@@ -167,7 +167,7 @@ def _inductor_vs_eager(rank: int, world_size: int, channels_last: bool) -> dict[
     gen = torch.Generator().manual_seed(rank)
     records: dict[str, list[dict[str, torch.Tensor]]] = {"eager": [], "compiled": []}
     # uneven, then an empty rank: two graphs per rank at most (static sizes, then 0 or
-    # dynamic ones), each costing g++ seconds per kernel on a cold cache
+    # dynamic ones; see the module's docstring)
     for size in _local_sizes(rank, world_size)[:2]:
         x = torch.randn(size, 3, 4, 4, generator=gen, dtype=torch.float64)
         if channels_last:
@@ -403,8 +403,8 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
 
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
     """Rank 0's second local batch is empty (a graph of its own: dynamo specializes size 0),
-    while rank 1's runs the graph recompiled for dynamic sizes: two graphs per rank, each
-    of which costs g++ seconds per kernel on a cold cache.
+    while rank 1's runs the graph recompiled for dynamic sizes: two graphs per rank (see
+    the module's docstring).
 
     Without the chain of ``syncbn._compiled``'s ops (the forward order token, each
     backward op reading the previous one's output), nothing in that graph orders one
