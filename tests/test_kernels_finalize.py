@@ -21,9 +21,12 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import json
 import os
-import re
+import pickle
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -36,6 +39,7 @@ import torch
 import torch.utils.checkpoint
 from _gold import Case, Tolerance, compare, reference, run_rank
 from _harness import WorkerPool
+from _triton_compile import CompileJob
 from test_faults import (
     _caught_failure_then_training,
     _deferred_problems,
@@ -459,24 +463,50 @@ def recorded_launches(run: bool = True) -> Iterator[list[Launch]]:
         yield launches
 
 
-def _compiled_source(
-    kernel: Any, args: tuple[Any, ...], constants: dict[str, Any], arch: int
-) -> tuple[Any, Any]:
-    """What a launch of ``kernel`` with ``args`` compiles for ``sm_<arch>``, and its options:
+def _specialized(
+    kernel: Any, name: str, args: tuple[Any, ...], constants: dict[str, Any], arch: int
+) -> CompileJob:
+    """What a launch of ``kernel`` (``name``) with ``args`` compiles for ``sm_<arch>``:
     Triton's launcher specializes the arguments (an integer equal to 1 becomes a constant,
     one divisible by 16 and a pointer aligned to 16 bytes are marked so, an integer beyond
-    32 bits is an i64), through its own binder (Triton 3.6 to 3.8's internals)."""
+    32 bits is an i64), through its own binder (Triton 3.4 to 3.8's internals: by 3.6 the
+    steps after the binder had moved into ``JITFunction._pack_args``; in 3.4 ``run`` takes
+    them, as :func:`_packed_before_3_6` does)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **constants)
-    options, signature, constexprs, attrs = kernel._pack_args(
-        backend, constants, bound, specialization, options
-    )
-    return ASTSource(kernel, signature, constexprs, attrs), options
+    if hasattr(kernel, "_pack_args"):
+        options, signature, constexprs, attrs = kernel._pack_args(
+            backend, constants, bound, specialization, options
+        )
+    else:
+        options, signature, constexprs, attrs = _packed_before_3_6(
+            kernel, backend, constants, bound, specialization
+        )
+    return CompileJob(name, arch, signature, constexprs, attrs, dict(options.__dict__))
+
+
+def _packed_before_3_6(
+    kernel: Any, backend: Any, constants: dict[str, Any], bound: Any, specialization: Any
+) -> tuple[Any, Any, Any, Any]:
+    """:func:`_specialized`'s options, signature, constant values and attributes as
+    Triton 3.4 (torch 2.8) computes them in ``JITFunction.run``."""
+    from triton.runtime.jit import find_paths_if, get_iterable_path
+
+    options = backend.parse_options(constants)
+    types = [value[0] for value in specialization]
+    signature = dict(zip([param.name for param in kernel.params], types))
+    constant_paths = find_paths_if(types, lambda _, kind: kind == "constexpr")
+    values = list(bound.values())
+    constexprs = {path: get_iterable_path(values, path) for path in constant_paths}
+    hints = [value[1] for value in specialization]
+    hint_paths = find_paths_if(hints, lambda _, hint: isinstance(hint, str))
+    attrs = {path: backend.parse_attr(get_iterable_path(hints, path)) for path in hint_paths}
+    return options, signature, constexprs, attrs
 
 
 def _benchmark_pass_launches() -> list[Launch]:
@@ -552,9 +582,9 @@ def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
     Triton's interpreter runs the kernels as Python, and accepts what its compiler
     refuses: before this test, every forward kernel that moves running statistics
     assigned a dtype inside its channel loop ("Loop carried variable running_type is not
-    a triton value" in Triton 3.6 to 3.9), which only a GPU run would have found."""
-    from triton.backends.compiler import GPUTarget
-
+    a triton value" in Triton 3.6 to 3.9), which only a GPU run would have found. The
+    compiles run in a new process (``tests/_triton_compile.py``): Triton 3.4's interpreter
+    leaves ``triton.language`` patched, and every compile after it failed."""
     with fused_finalize(), recorded_launches() as launches:
         for dtypes in LAYER_DTYPES:
             for case in _cases([4, 0], [None]) + _cases([4], [0.6]):
@@ -567,29 +597,35 @@ def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
     # where every dtype takes ~30)
     to_compile = [(launch, arch, False) for launch in launches for arch in (80, 90)]
     to_compile += [(launch, 90, True) for launch in _benchmark_pass_launches()]
-    sources: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
     for (name, args, constants), arch, any_dtype in to_compile:
         module, kernel_name = name.split(".")
-        kernel = getattr(compiled[module], kernel_name)
-        source, options = _compiled_source(kernel, args, constants, arch)
-        types = "any" if any_dtype else repr(source.signature)
-        key = (name, arch, types, repr(source.constants), repr(source.attrs))
-        sources.setdefault(key, (source, options))
-    failures = []
-    for (name, arch, *_), (source, options) in sources.items():
-        try:
-            target = GPUTarget("cuda", arch, 32)
-            binary = triton.compile(source, target=target, options=options.__dict__)
-            assert binary.asm["cubin"], (name, arch)
-            # the interpreter computes float64 maths with numpy's correct rounding: a
-            # GPU's approximate float64 instruction (tl.math.rsqrt compiles to
-            # rsqrt.approx.f64) would pass every test here and lose the float64
-            # statistics' exactness there
-            approximate = re.findall(r"\b\w+\.approx(?:\.ftz)?\.f64\b", binary.asm["ptx"])
-            assert not approximate, (name, arch, sorted(set(approximate)))
-        except Exception as error:  # noqa: BLE001 - each failure is reported below
-            failures.append(f"{name} sm_{arch} {source.signature} {source.constants}: {error}")
+        job = _specialized(getattr(compiled[module], kernel_name), name, args, constants, arch)
+        types = "any" if any_dtype else repr(job.signature)
+        jobs.setdefault((name, arch, types, repr(job.constexprs), repr(job.attrs)), job)
+    failures = _compile_in_a_new_process(list(jobs.values()))
     assert not failures, "\n".join(failures)
+
+
+def _compile_in_a_new_process(jobs: list[CompileJob]) -> list[str]:
+    """:func:`_triton_compile.compile_jobs` in a new Python process, where the interpreter
+    that recorded the launches has patched nothing (see ``tests/_triton_compile.py``)."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "jobs.pickle"
+        path.write_bytes(pickle.dumps([tuple(job) for job in jobs]))
+        script = Path(__file__).with_name("_triton_compile.py")
+        done = subprocess.run(
+            [sys.executable, str(script), str(path)],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr[-4000:]
+    failures: list[str] = json.loads(done.stdout)
+    return failures
 
 
 def _fused_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:
