@@ -10,7 +10,13 @@ import re
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
+from syncbn import _kernels
+
+pytest.importorskip(
+    "triton",
+    minversion=".".join(map(str, _kernels.MIN_TRITON)),
+    reason="needs Triton >= 3.2 (torch >= 2.6's CUDA builds install it)",
+)
 
 from test_bench import _load  # noqa: E402  (after the skip: these import Triton's kernels)
 from test_kernels_finalize import DEVICE, fused_finalize  # noqa: E402

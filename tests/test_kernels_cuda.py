@@ -11,6 +11,9 @@ generic fallbacks. ``tests/test_cuda.py`` runs the same kernels for real on a GP
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
+import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -171,6 +174,25 @@ def test_use_device_kernels_selects_and_deselects_the_candidate() -> None:
     assert _kernels.kernels_for(device) is _kernels.generic  # type: ignore[comparison-overlap]
     with pytest.raises(ValueError, match="no device-specific kernels for device type 'mps'"):
         _kernels.use_device_kernels("mps")
+
+
+@pytest.mark.parametrize("version", ["3.1.0", "3.0.0+git1c3ae6b", "2.3.1"])
+def test_the_triton_kernels_refuse_a_triton_older_than_3_2(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (a stand-in module: CI's torch has no Triton; the check reads only its version)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    expected = rf"need Triton >= 3\.2 \(torch >= 2\.6 .*but Triton {re.escape(version)} is"
+    with pytest.raises(RuntimeError, match=expected):
+        _kernels.use_fused_finalize("cuda")
+    assert _kernels.fused_finalize_for(torch.device("cuda")) is None
+
+
+def test_triton_versions_compare_as_numbers() -> None:
+    assert _kernels._triton_version("3.2.0+git1c3ae6b") == (3, 2)
+    assert _kernels._triton_version("3.10.1") > _kernels.MIN_TRITON > (3, 1)
+    with pytest.raises(RuntimeError, match="cannot read Triton's version 'dev'"):
+        _kernels._triton_version("dev")
 
 
 def _large_mean_emulated(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict[str, Any]:

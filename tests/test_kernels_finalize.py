@@ -53,7 +53,11 @@ import syncbn
 from syncbn import _kernels
 from syncbn._autograd import LayerInfo, LocalReducer, TrainOptions
 
-triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
+triton = pytest.importorskip(
+    "triton",
+    minversion=".".join(map(str, _kernels.MIN_TRITON)),
+    reason="needs Triton >= 3.2 (torch >= 2.6's CUDA builds install it)",
+)
 
 #: on a GPU machine the kernel runs compiled on CUDA tensors, elsewhere interpreted on the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -469,16 +473,20 @@ def _specialized(
     """What a launch of ``kernel`` (``name``) with ``args`` compiles for ``sm_<arch>``:
     Triton's launcher specializes the arguments (an integer equal to 1 becomes a constant,
     one divisible by 16 and a pointer aligned to 16 bytes are marked so, an integer beyond
-    32 bits is an i64), through its own binder (Triton 3.4 to 3.8's internals: by 3.6 the
-    steps after the binder had moved into ``JITFunction._pack_args``; in 3.4 ``run`` takes
-    them, as :func:`_packed_before_3_6` does)."""
+    32 bits is an i64), through its own binder (Triton 3.2 to 3.8's internals: by 3.6 the
+    steps after the binder had moved into ``JITFunction._pack_args``; in 3.3 and 3.4
+    ``run`` takes them, as :func:`_packed_before_3_6` does; 3.2's binder returns five
+    values, and its attributes are an ``AttrsDescriptor``: :func:`_packed_before_3_3`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **constants)
+    bound = binder(*args, **constants)
+    if len(bound) == 5:
+        return _packed_before_3_3(kernel, name, arch, backend, constants, bound[0], bound[1])
+    bound, specialization, options = bound
     if hasattr(kernel, "_pack_args"):
         options, signature, constexprs, attrs = kernel._pack_args(
             backend, constants, bound, specialization, options
@@ -494,7 +502,7 @@ def _packed_before_3_6(
     kernel: Any, backend: Any, constants: dict[str, Any], bound: Any, specialization: Any
 ) -> tuple[Any, Any, Any, Any]:
     """:func:`_specialized`'s options, signature, constant values and attributes as
-    Triton 3.4 (torch 2.8) computes them in ``JITFunction.run``."""
+    Triton 3.3 and 3.4 (torch 2.7 and 2.8) compute them in ``JITFunction.run``."""
     from triton.runtime.jit import find_paths_if, get_iterable_path
 
     options = backend.parse_options(constants)
@@ -507,6 +515,34 @@ def _packed_before_3_6(
     hint_paths = find_paths_if(hints, lambda _, hint: isinstance(hint, str))
     attrs = {path: backend.parse_attr(get_iterable_path(hints, path)) for path in hint_paths}
     return options, signature, constexprs, attrs
+
+
+def _packed_before_3_3(
+    kernel: Any,
+    name: str,
+    arch: int,
+    backend: Any,
+    constants: dict[str, Any],
+    bound: Any,
+    types: Any,
+) -> CompileJob:
+    """:func:`_specialized` as Triton 3.2 (torch 2.6) specializes a launch in
+    ``JITFunction.run``: ``types`` are the binder's types and specializations, the
+    non-constant parameters' first."""
+    values = tuple(bound.values())
+    names = [param.name for param in kernel.params if not param.is_constexpr]
+    signature = {
+        key: "*i8" if kind == "none" else kind for key, kind in zip(names, types[: len(names)])
+    }
+    attrs = backend.get_attrs_descriptor(kernel.params, values)
+    constant_numbers = attrs.get_constants()
+    constexprs = {
+        param.name: value
+        for value, param in zip(values, kernel.params)
+        if param.is_constexpr or param.num in constant_numbers or value is None
+    }
+    options = backend.parse_options(constants)
+    return CompileJob(name, arch, signature, constexprs, attrs, dict(options.__dict__))
 
 
 def _benchmark_pass_launches() -> list[Launch]:

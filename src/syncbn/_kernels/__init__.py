@@ -24,6 +24,7 @@ positions, where the generic kernels zero the others in passes of their own).
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 from typing import Protocol
 
@@ -125,6 +126,20 @@ def kernels_for(device: torch.device) -> Kernels:
 #: and whether their passes over the data are :mod:`syncbn._kernels.triton_passes`'
 _FUSED_FINALIZE: dict[str, bool] = {}
 
+#: the oldest Triton that runs the Triton kernels: checked with 3.2 to 3.8 (torch 2.6 to
+#: 2.14; interpreted on the CPU, and compiled for sm_80 and sm_90), while the interpreter of
+#: Triton 3.0 and 3.1 (torch 2.4 and 2.5) refuses them ("arange's arguments must be of type
+#: tl.constexpr" in a helper that takes a block size)
+MIN_TRITON = (3, 2)
+
+
+def _triton_version(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string (``"3.6.0"``, ``"3.2.0+git1c3ae6b"``)."""
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    if numbers is None:
+        raise RuntimeError(f"cannot read Triton's version {version!r}")
+    return int(numbers[1]), int(numbers[2])
+
 
 def use_fused_finalize(device_type: str, enabled: bool = True, triton_passes: bool = True) -> None:
     """Use (or stop using) :mod:`syncbn._kernels.finalize`, Triton kernels for a deferred
@@ -140,9 +155,18 @@ def use_fused_finalize(device_type: str, enabled: bool = True, triton_passes: bo
 
     Raises:
         ImportError: if Triton is not installed.
+        RuntimeError: if Triton is older than :data:`MIN_TRITON`.
     """
     if enabled:
-        from syncbn._kernels import finalize  # noqa: F401  (imports Triton, or raises)
+        import triton
+
+        if _triton_version(triton.__version__) < MIN_TRITON:
+            oldest = ".".join(map(str, MIN_TRITON))
+            raise RuntimeError(
+                f"syncbn's Triton kernels need Triton >= {oldest} (torch >= 2.6 installs "
+                f"it), but Triton {triton.__version__} is installed"
+            )
+        from syncbn._kernels import finalize  # noqa: F401  (imports Triton's language)
 
         _FUSED_FINALIZE[device_type] = triton_passes
     else:
