@@ -66,7 +66,9 @@ def test_torch_export_of_a_converted_model_equals_batchnorm(mode: str) -> None:
     if mode == "train":  # the exported program moves its own copy of the buffers
         state = exported.state_dict()
         for name in ("running_mean", "running_var", "num_batches_tracked"):
-            torch.testing.assert_close(state[f"norm.{name}"], getattr(reference.norm, name))
+            # the module path; torch 2.1's export flattened it ("L__self___norm_running_mean")
+            key = f"norm.{name}" if f"norm.{name}" in state else f"L__self___norm_{name}"
+            torch.testing.assert_close(state[key], getattr(reference.norm, name))
 
 
 def _masked_reference(block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,11 @@ def test_torch_export_of_a_masked_call_in_train_mode() -> None:
     converted.train()
     eager = copy.deepcopy(converted)
     x, mask = _inputs(1)
-    exported = torch.export.export(converted, (x, mask)).module()
+    program = torch.export.export(converted, (x, mask))
+    # a process alone has no collective to order: no global order token in the program
+    # (torch 2.4-2.7's export refused one; later versions lifted it as a constant)
+    assert list(program.constants) == ["norm._site"]
+    exported = program.module()
     other, other_mask = _inputs(2)
     torch.testing.assert_close(exported(other, other_mask), eager(other, other_mask))
     state = exported.state_dict()

@@ -591,16 +591,20 @@ def _exchange(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    ordered: bool,
 ) -> _composite.Exchange:
     """The ``exchange`` of :func:`syncbn._composite.batch_norm_train` in a compiled graph:
-    the ``syncbn::sync_moments`` op."""
+    the ``syncbn::sync_moments`` op; ``ordered``: chained by the device's order token (see
+    :func:`sync_batch_norm_train`)."""
 
     def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        order = order_token(moments.device)
+        # a process alone has no collective to order: a token of its own
+        order = order_token(moments.device) if ordered else moments.new_zeros(1)
         global_moments, update, advanced = torch.ops.syncbn.sync_moments(
             moments, order, num_batches_tracked, site, group_name, momentum, REVISION
         )
-        _advance(order, advanced)
+        if ordered:
+            _advance(order, advanced)
         return global_moments, update
 
     return exchange
@@ -620,6 +624,7 @@ def sync_batch_norm_train(
     momentum: float | None,
     site: torch.Tensor | None,
     group_name: str = "",
+    ordered: bool = True,
 ) -> torch.Tensor:
     """A synchronized (or masked) training call while dynamo traces: :mod:`syncbn._composite`
     around the ``syncbn::sync_moments`` op.
@@ -632,6 +637,12 @@ def sync_batch_norm_train(
         site: the layer's site tensor (:func:`site_tensor`), or None for a functional
             call, whose ops name its process group by ``group_name`` (``""``: the default
             group) and take ``eps`` and ``momentum``.
+        ordered: whether the call synchronizes, so that its op reads and advances the
+            device's order token (:func:`order_token`). A masked call of a process alone
+            makes no collective: its op reads a token of its own, and the graph refers to
+            no global tensor, which ``torch.export`` on torch 2.4-2.7 refuses ("Cannot
+            export model which references tensors that are neither buffers/parameters/
+            constants nor are direct inputs").
     """
     per_channel = first_given(weight, bias, running_mean, running_var)
     anchor = input if per_channel is None else per_channel  # where the buffers live
@@ -660,7 +671,7 @@ def sync_batch_norm_train(
         weight,
         bias,
         mask,
-        _exchange(num_batches_tracked, site, group_name, momentum),
+        _exchange(num_batches_tracked, site, group_name, momentum, ordered),
         eps=eps,
         running_mean=running_mean,
         running_var=running_var,

@@ -274,6 +274,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             eps=self.eps,
             momentum=self.momentum,
             site=self._site,
+            ordered=synchronized,
         )
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -132,6 +132,7 @@ def sync_batch_norm(
             momentum=momentum,
             site=None,
             group_name="" if process_group is None else process_group.group_name,
+            ordered=world_size > 1,
         )
     train = _train_outside_graph if compiling else _train  # compiling: torch < 2.4
     return train(
