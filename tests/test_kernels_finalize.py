@@ -483,10 +483,10 @@ def _specialized(
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound = binder(*args, **constants)
-    if len(bound) == 5:
-        return _packed_before_3_3(kernel, name, arch, backend, constants, bound[0], bound[1])
-    bound, specialization, options = bound
+    binding = binder(*args, **constants)
+    if len(binding) == 5:
+        return _packed_before_3_3(kernel, name, arch, backend, constants, *binding[:2])
+    bound, specialization, options = binding
     if hasattr(kernel, "_pack_args"):
         options, signature, constexprs, attrs = kernel._pack_args(
             backend, constants, bound, specialization, options
