@@ -3,14 +3,19 @@
     python benchmarks/compare.py 2134f00            # prints a table, writes compare.md
     MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 \\
         python benchmarks/compare.py 2134f00        # the same without page faults
+    python benchmarks/compare.py 2134f00 --shapes 16x1024:masked 2x32x8x28x28:masked
 
 Both versions of ``syncbn`` are imported into one process (the revision's ``src/``
 from ``git archive``, then the working tree's), and their autograd functions are timed
-on the same tensors in interleaved blocks of about 5 ms, with the collective replaced
-as in compute.py (two ranks with identical data). Interleaving in one process is what
-makes a 10% difference visible on a machine whose speed drifts by more than that
-between runs. Reported: the 20th percentile and the median of the per-call times of
+on the same tensors in interleaved blocks of about 5 ms (each after one of BatchNorm's:
+see ``_interleaved_ms``), with the collective replaced as in compute.py (two ranks with
+identical data). Interleaving in one process is what makes a 10% difference visible on a
+machine whose speed drifts by more than that between runs. Reported: the 20th percentile and the median of the per-call times of
 each version over all blocks, and BatchNorm's for scale.
+
+A shape's flags, after colons: ``cl`` (channels last), ``bf16`` (bfloat16 input), ``masked``
+(a masked call, 80 % of the positions valid, as in ``masked.py``; BatchNorm's column stays
+the unmasked BatchNorm; a revision older than masks cannot take it).
 """
 
 from __future__ import annotations
@@ -65,19 +70,29 @@ def _extract_source(revision: str, into: Path) -> Path:
     return into / "src"
 
 
-def _parse(spec: str) -> tuple[tuple[int, ...], torch.dtype, bool]:
+#: the share of valid positions in a ``masked`` shape's mask (as benchmarks/masked.py)
+VALID = 0.8
+
+
+def _parse(spec: str) -> tuple[tuple[int, ...], torch.dtype, bool, bool]:
+    """A ``--shapes`` entry: the shape, the input dtype, channels last, masked."""
     shape, *flags = spec.split(":")
+    unknown = set(flags) - {"bf16", "cl", "masked"}
+    if unknown:
+        raise ValueError(f"unknown flags {sorted(unknown)} in shape {spec!r}")
     dtype = torch.bfloat16 if "bf16" in flags else torch.float32
-    return tuple(int(size) for size in shape.split("x")), dtype, "cl" in flags
+    return tuple(int(size) for size in shape.split("x")), dtype, "cl" in flags, "masked" in flags
 
 
 def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[], object]]:
-    shape, dtype, channels_last = _parse(spec)
+    shape, dtype, channels_last, masked = _parse(spec)
     x = torch.randn(shape).to(dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     dy = torch.randn_like(x)
+    # passed only where given: revisions from before masks take no mask argument
+    mask = {"mask": torch.rand((shape[0], *shape[2:])) < VALID} if masked else {}
     weight = torch.rand(shape[1], requires_grad=True)
     bias = torch.zeros(shape[1], requires_grad=True)
     reducer = _TwoIdenticalRanks()
@@ -89,7 +104,7 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
         arguments = (1e-5, reducer, layer) if options is None else (options(reducer, layer),)
 
         def step() -> object:
-            output = module.sync_batch_norm_train(x, weight, bias, *arguments)
+            output = module.sync_batch_norm_train(x, weight, bias, *arguments, **mask)
             output = output[0] if isinstance(output, tuple) else output  # older revisions
             return torch.autograd.grad(output, (x, weight, bias), dy)
 
@@ -103,6 +118,15 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
 
 
 def _interleaved_ms(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, list[float]]:
+    """Per variant, the per-call times (ms) of its blocks of ~5 ms, in turns until
+    ``seconds`` have passed.
+
+    The first variant (BatchNorm) is timed before each of the others' blocks, so that no
+    syncbn version ever runs right after the other: a block that follows one of the same
+    maths on the same tensors starts on warm caches and a freed buffer of the right size,
+    and read 5-10 % faster (an A/A run, the same revision in both columns, read 0.90-0.95x
+    when the turns were BatchNorm, revision, working tree).
+    """
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -110,13 +134,19 @@ def _interleaved_ms(fns: dict[str, Callable[[], object]], seconds: float) -> dic
     next(iter(fns.values()))()
     calls = max(1, int(0.005 / max(time.perf_counter() - start, 1e-6)))
     times: dict[str, list[float]] = {name: [] for name in fns}
+    (first, first_fn), *others = fns.items()
+
+    def block(name: str, fn: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times[name].append((time.perf_counter() - start) / calls * 1e3)
+
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e3)
+        for name, fn in others:
+            block(first, first_fn)
+            block(name, fn)
     return times
 
 
@@ -132,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="per shape (default 5)")
     parser.add_argument("--out", type=Path, default=HERE / "compare.md", help="markdown output")
     args = parser.parse_args(argv)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# SyncBatchNorm compute: {args.revision} against the working tree",
         "",
-        f"Generated by `python benchmarks/compare.py {args.revision}` on {date}; torch "
+        f"Generated by `python benchmarks/compare.py {command}` on {date}; torch "
         f"{torch.__version__}; 1 thread; {args.seconds:g} s of interleaved ~5 ms blocks per "
         "shape. ms per forward+backward call, 20th percentile / median over the blocks. "
         f"Allocator: glibc, {' '.join(malloc) if malloc else 'default settings'}. "

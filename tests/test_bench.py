@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -380,19 +380,53 @@ def _short_median_ms(fn: Any) -> float:
 
 
 def test_compare_times_a_revision_against_the_working_tree(tmp_path: Path) -> None:
-    """benchmarks/compare.py imports both versions and writes one row per shape.
+    """benchmarks/compare.py imports both versions and writes one row per shape, masked
+    calls included.
 
     It runs in its own process: it swaps the ``syncbn`` modules in ``sys.modules``.
     """
     out = tmp_path / "compare.md"
-    command = [sys.executable, str(BENCHMARKS / "compare.py"), "HEAD", "--shapes", "4x3x5x5"]
+    shapes = ["4x3x5x5", "4x3x5x5:masked"]
+    command = [sys.executable, str(BENCHMARKS / "compare.py"), "HEAD", "--shapes", *shapes]
     subprocess.run(
         [*command, "--seconds", "0.2", "--out", str(out)], check=True, timeout=120, cwd=tmp_path
     )
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 4x3x5x5 |")]
-    assert len(rows) == 1
-    ratio = float(rows[0].rstrip(" |").rsplit("|", 1)[-1].strip().rstrip("x"))
-    assert ratio > 0
+    for shape in shapes:
+        rows = [line for line in out.read_text().splitlines() if line.startswith(f"| {shape} |")]
+        assert len(rows) == 1, shape
+        ratio = float(rows[0].rstrip(" |").rsplit("|", 1)[-1].strip().rstrip("x"))
+        assert ratio > 0
+
+
+def test_compare_passes_a_masked_shapes_mask_to_every_revision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``masked`` shape times masked calls: each revision's entry gets an ``(N, *)`` bool
+    mask, 80 % valid; an unmasked shape passes no mask (revisions from before masks)."""
+    from syncbn._autograd import LayerInfo, TrainOptions
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # compare.py imports compute.py
+    compare = _load("compare")
+    masks: list[torch.Tensor | None] = []
+
+    def sync_batch_norm_train(x: torch.Tensor, weight: Any, bias: Any, options: Any, **kwargs: Any):
+        masks.append(kwargs.pop("mask", None))
+        assert not kwargs, kwargs
+        return x * weight.view(1, -1, 1) + bias.view(1, -1, 1)
+
+    revision = SimpleNamespace(
+        LayerInfo=LayerInfo, TrainOptions=TrainOptions, sync_batch_norm_train=sync_batch_norm_train
+    )
+    for spec in ("64x3x50:masked", "64x3x50"):
+        variants = compare._variants(spec, {"revision": revision})
+        assert sorted(variants) == ["BatchNorm", "revision"]
+        variants["revision"]()
+    masked, unmasked = masks
+    assert unmasked is None
+    assert masked is not None and masked.dtype == torch.bool and masked.shape == (64, 50)
+    assert 0.7 < masked.float().mean().item() < 0.9
+    with pytest.raises(ValueError, match="unknown flags"):
+        compare._parse("4x3x5x5:mask")
 
 
 def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
