@@ -10,8 +10,9 @@ from ``git archive``, then the working tree's), and their autograd functions are
 on the same tensors in interleaved blocks of about 5 ms (each after one of BatchNorm's:
 see ``_interleaved_ms``), with the collective replaced as in compute.py (two ranks with
 identical data). Interleaving in one process is what makes a 10% difference visible on a
-machine whose speed drifts by more than that between runs. Reported: the 20th percentile and the median of the per-call times of
-each version over all blocks, and BatchNorm's for scale.
+machine whose speed drifts by more than that between runs. Reported: the 20th percentile
+and the median of the per-call times of each version over all blocks, and BatchNorm's for
+scale.
 
 A shape's flags, after colons: ``cl`` (channels last), ``bf16`` (bfloat16 input), ``masked``
 (a masked call, 80 % of the positions valid, as in ``masked.py``; BatchNorm's column stays
