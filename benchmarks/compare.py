@@ -93,7 +93,7 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
     x.requires_grad_()
     dy = torch.randn_like(x)
     # passed only where given: revisions from before masks take no mask argument
-    mask = {"mask": torch.rand((shape[0], *shape[2:])) < VALID} if masked else {}
+    mask_argument = {"mask": torch.rand((shape[0], *shape[2:])) < VALID} if masked else {}
     weight = torch.rand(shape[1], requires_grad=True)
     bias = torch.zeros(shape[1], requires_grad=True)
     reducer = _TwoIdenticalRanks()
@@ -105,7 +105,7 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
         arguments = (1e-5, reducer, layer) if options is None else (options(reducer, layer),)
 
         def step() -> object:
-            output = module.sync_batch_norm_train(x, weight, bias, *arguments, **mask)
+            output = module.sync_batch_norm_train(x, weight, bias, *arguments, **mask_argument)
             output = output[0] if isinstance(output, tuple) else output  # older revisions
             return torch.autograd.grad(output, (x, weight, bias), dy)
 

@@ -409,7 +409,9 @@ def test_compare_passes_a_masked_shapes_mask_to_every_revision(
     compare = _load("compare")
     masks: list[torch.Tensor | None] = []
 
-    def sync_batch_norm_train(x: torch.Tensor, weight: Any, bias: Any, options: Any, **kwargs: Any):
+    def sync_batch_norm_train(
+        x: torch.Tensor, weight: Any, bias: Any, options: Any, **kwargs: Any
+    ) -> torch.Tensor:
         masks.append(kwargs.pop("mask", None))
         assert not kwargs, kwargs
         return x * weight.view(1, -1, 1) + bias.view(1, -1, 1)
