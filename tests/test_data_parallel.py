@@ -390,10 +390,10 @@ def test_a_failed_step_does_not_fail_the_steps_after_it(monkeypatch: pytest.Monk
 
     local_moments = generic.local_moments
 
-    def out_of_memory_on_replica_1_at_step_1(input: torch.Tensor, valid: Any = None) -> Any:
+    def out_of_memory_on_replica_1_at_step_1(input: torch.Tensor, *args: Any) -> Any:
         if steps[0] == 1 and input.shape[0] == 3:
             raise MemoryError("simulated: out of memory on replica 1")
-        return local_moments(input, valid)
+        return local_moments(input, *args)
 
     def cpu_parallel_apply(self: Any, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
         results, errors = in_threads(lambda i: replicas[i](*inputs[i]), len(replicas))

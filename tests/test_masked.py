@@ -611,6 +611,44 @@ def test_the_shift_is_the_first_valid_sample(x: torch.Tensor) -> None:
     assert torch.equal(nothing_valid, torch.zeros(x.shape[1]))
 
 
+#: layouts of a local batch for the shift's host-read form: made per test, as the test
+#: writes NaN into them
+_HOST_READ_LAYOUTS = {
+    "NCHW": lambda: torch.randn(3, 4, 5, 6),
+    "channels_last": lambda: torch.randn(3, 4, 5, 6).contiguous(memory_format=torch.channels_last),
+    "strided": lambda: torch.randn(3, 4, 5, 12)[:, :, :, ::2],
+    "offset": lambda: torch.randn(4, 4, 5, 6)[1:],  # a view that starts inside its storage
+    "NCDHW": lambda: torch.randn(2, 4, 3, 5, 6),
+    "NCL_bfloat16": lambda: torch.randn(3, 4, 20).to(torch.bfloat16),
+    "NC": lambda: torch.randn(7, 4),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_HOST_READ_LAYOUTS))
+@pytest.mark.parametrize("valid_share", [0.0, 0.2, 1.0], ids=["none", "some", "all"])
+def test_host_reads_give_the_moments_of_the_device_path(layout: str, valid_share: float) -> None:
+    """A CPU call whose checks are immediate reads its valid count and first valid position
+    back (5 ops fewer); its count, shift, shifted copy and sums are the device path's, bit
+    for bit, whatever the padded positions hold."""
+    from syncbn._kernels.generic import shifted_sums
+
+    x = _HOST_READ_LAYOUTS[layout]()
+    positions = (x.shape[0], 1, *x.shape[2:])
+    valid = torch.rand(positions) < valid_share
+    if 0.0 < valid_share < 1.0:
+        valid.view(-1)[:5] = False  # the first valid position is further in
+        valid.view(-1)[-1] = True
+    x[~valid.expand_as(x)] = float("nan")
+    on_device = shifted_sums(x, valid)
+    read_back = shifted_sums(x, valid, host_reads=True)
+    assert isinstance(read_back[4], int) and read_back[4] == int(valid.sum())
+    assert read_back[4] == cast(torch.Tensor, on_device[4]).item()
+    for name, index in (("sum", 0), ("square sum", 1), ("shift", 2), ("shifted copy", 3)):
+        got, expected = cast(torch.Tensor, read_back[index]), cast(torch.Tensor, on_device[index])
+        assert torch.equal(got, expected) and got.dtype == expected.dtype, name
+    assert read_back[3].stride() == on_device[3].stride()  # the output's memory format
+
+
 @pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
 @pytest.mark.timeout(120)
 def test_inductor_finds_the_first_valid_sample() -> None:

@@ -593,7 +593,10 @@ def forward_train(
             fingerprint = options.layer.fingerprint
             moments, buffer = fused.pack_forward(input, fingerprint, valid, triton_passes)
         else:
-            moments = kernels.local_moments(input, valid)
+            # a CPU call whose checks are immediate reads its buffer back anyway: a masked
+            # one may read its valid count and first valid position too (fewer ops)
+            host_reads = mode == "immediate" and input.device.type == "cpu"
+            moments = kernels.local_moments(input, valid, host_reads)
             buffer = _protocol.pack_forward(
                 moments.local_count,
                 moments.total,

@@ -48,7 +48,7 @@ class Kernels(Protocol):
     """The four passes of a synchronized training call (see :mod:`syncbn._kernels.generic`)."""
 
     def local_moments(
-        self, input: torch.Tensor, valid: torch.Tensor | None = None
+        self, input: torch.Tensor, valid: torch.Tensor | None = None, host_reads: bool = False
     ) -> LocalMoments: ...
 
     def normalize(

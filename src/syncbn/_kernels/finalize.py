@@ -203,7 +203,7 @@ def pack_forward(
         moments = generic.local_moments(input, valid)
         buffer = _protocol.pack_forward(0, moments.total, moments.square_total, fingerprint)
         return moments, buffer
-    valid_count: torch.Tensor | None
+    valid_count: int | torch.Tensor | None  # a tensor here: no host reads
     centered: torch.Tensor | None
     if triton_sums:
         valid_count = None if valid is None else valid.sum(dtype=torch.float64)
