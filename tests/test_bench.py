@@ -431,6 +431,30 @@ def test_compare_passes_a_masked_shapes_mask_to_every_revision(
         compare._parse("4x3x5x5:mask")
 
 
+def test_masked_benchmark_times_unmasked_and_masked_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/masked.py's eager row: unmasked calls, and masked ones with an ``(N, *)``
+    bool mask, in blocks of compare.py's timer, reported per variant."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # masked.py imports compare.py, compute.py
+    masked = _load("masked")
+    calls: list[tuple[int, ...] | None] = []
+
+    def sync_batch_norm_train(
+        x: torch.Tensor, weight: Any, bias: Any, options: Any, mask: Any = None
+    ) -> Any:
+        calls.append(None if mask is None else tuple(mask.shape))
+        assert mask is None or mask.dtype == torch.bool
+        return x * weight.view(1, -1, 1) + bias.view(1, -1, 1)
+
+    monkeypatch.setattr(masked, "sync_batch_norm_train", sync_batch_norm_train)
+    monkeypatch.setattr(masked, "EAGER_SECONDS", 0.05)
+    row = masked._eager((8, 3, 20))
+    assert sorted(row) == ["masked_ms", "unmasked_ms"]
+    assert all(0.0 < value < 1e3 for value in row.values())
+    assert set(calls) == {None, (8, 20)}
+    # both variants ran blocks of the same number of calls
+    assert 0.5 < calls.count(None) / calls.count((8, 20)) < 2.0
+
+
 def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
     """benchmarks/gpu.py's masked part, run on the CPU with a wall-clock timer (the GPU
     session runs it with CUDA events): one row per shape and dtype, four timed variants,
