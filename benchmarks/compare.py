@@ -16,7 +16,8 @@ scale.
 
 A shape's flags, after colons: ``cl`` (channels last), ``bf16`` (bfloat16 input), ``masked``
 (a masked call, 80 % of the positions valid, as in ``masked.py``; BatchNorm's column stays
-the unmasked BatchNorm; a revision older than masks cannot take it).
+the unmasked BatchNorm; a revision older than masks cannot take it), ``running`` (running
+statistics tracked, as a layer's are by default, BatchNorm's too; each variant its own).
 """
 
 from __future__ import annotations
@@ -75,18 +76,28 @@ def _extract_source(revision: str, into: Path) -> Path:
 VALID = 0.8
 
 
-def _parse(spec: str) -> tuple[tuple[int, ...], torch.dtype, bool, bool]:
-    """A ``--shapes`` entry: the shape, the input dtype, channels last, masked."""
+def _parse(spec: str) -> tuple[tuple[int, ...], torch.dtype, bool, bool, bool]:
+    """A ``--shapes`` entry: the shape, the input dtype, channels last, masked, running."""
     shape, *flags = spec.split(":")
-    unknown = set(flags) - {"bf16", "cl", "masked"}
+    unknown = set(flags) - {"bf16", "cl", "masked", "running"}
     if unknown:
         raise ValueError(f"unknown flags {sorted(unknown)} in shape {spec!r}")
     dtype = torch.bfloat16 if "bf16" in flags else torch.float32
-    return tuple(int(size) for size in shape.split("x")), dtype, "cl" in flags, "masked" in flags
+    size = tuple(int(size) for size in shape.split("x"))
+    return size, dtype, "cl" in flags, "masked" in flags, "running" in flags
+
+
+def _running_statistics(channels: int) -> dict[str, torch.Tensor]:
+    """A fresh set of a layer's running statistics, as keyword arguments."""
+    return {
+        "running_mean": torch.zeros(channels),
+        "running_var": torch.ones(channels),
+        "num_batches_tracked": torch.zeros((), dtype=torch.long),
+    }
 
 
 def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[], object]]:
-    shape, dtype, channels_last, masked = _parse(spec)
+    shape, dtype, channels_last, masked, running = _parse(spec)
     x = torch.randn(shape).to(dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -104,15 +115,22 @@ def _variants(spec: str, modules: dict[str, ModuleType]) -> dict[str, Callable[[
         options = getattr(module, "TrainOptions", None)
         arguments = (1e-5, reducer, layer) if options is None else (options(reducer, layer),)
 
+        buffers = _running_statistics(shape[1]) if running else {}
+
         def step() -> object:
-            output = module.sync_batch_norm_train(x, weight, bias, *arguments, **mask_argument)
+            output = module.sync_batch_norm_train(
+                x, weight, bias, *arguments, **mask_argument, **buffers
+            )
             output = output[0] if isinstance(output, tuple) else output  # older revisions
             return torch.autograd.grad(output, (x, weight, bias), dy)
 
         return step
 
+    statistics = _running_statistics(shape[1]) if running else {}
+
     def batchnorm() -> object:
-        output = F.batch_norm(x, None, None, weight, bias, True)
+        mean, var = statistics.get("running_mean"), statistics.get("running_var")
+        output = F.batch_norm(x, mean, var, weight, bias, True)
         return torch.autograd.grad(output, (x, weight, bias), dy)
 
     return {"BatchNorm": batchnorm, **{name: syncbn(m) for name, m in modules.items()}}

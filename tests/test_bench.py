@@ -402,31 +402,45 @@ def test_compare_passes_a_masked_shapes_mask_to_every_revision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A ``masked`` shape times masked calls: each revision's entry gets an ``(N, *)`` bool
-    mask, 80 % valid; an unmasked shape passes no mask (revisions from before masks)."""
+    mask, 80 % valid; an unmasked shape passes no mask (revisions from before masks). A
+    ``running`` shape passes running statistics, to BatchNorm as well."""
     from syncbn._autograd import LayerInfo, TrainOptions
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # compare.py imports compute.py
     compare = _load("compare")
-    masks: list[torch.Tensor | None] = []
+    calls: list[dict[str, Any]] = []
 
     def sync_batch_norm_train(
         x: torch.Tensor, weight: Any, bias: Any, options: Any, **kwargs: Any
     ) -> torch.Tensor:
-        masks.append(kwargs.pop("mask", None))
-        assert not kwargs, kwargs
+        calls.append(kwargs)
         return x * weight.view(1, -1, 1) + bias.view(1, -1, 1)
 
     revision = SimpleNamespace(
         LayerInfo=LayerInfo, TrainOptions=TrainOptions, sync_batch_norm_train=sync_batch_norm_train
     )
-    for spec in ("64x3x50:masked", "64x3x50"):
+    batch_norms: list[Any] = []
+    batch_norm = compare.F.batch_norm
+
+    def recorded_batch_norm(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        batch_norms.append(args[0])  # the running mean
+        return batch_norm(x, *args)
+
+    monkeypatch.setattr(compare.F, "batch_norm", recorded_batch_norm)
+    for spec in ("64x3x50:masked", "64x3x50", "64x3x50:running"):
         variants = compare._variants(spec, {"revision": revision})
         assert sorted(variants) == ["BatchNorm", "revision"]
         variants["revision"]()
-    masked, unmasked = masks
-    assert unmasked is None
-    assert masked is not None and masked.dtype == torch.bool and masked.shape == (64, 50)
-    assert 0.7 < masked.float().mean().item() < 0.9
+        variants["BatchNorm"]()
+    masked, unmasked, running = calls
+    assert sorted(masked) == ["mask"] and not unmasked
+    mask = masked["mask"]
+    assert mask.dtype == torch.bool and mask.shape == (64, 50)
+    assert 0.7 < mask.float().mean().item() < 0.9
+    assert sorted(running) == ["num_batches_tracked", "running_mean", "running_var"]
+    assert running["running_mean"].shape == running["running_var"].shape == (3,)
+    assert batch_norms[:2] == [None, None] and batch_norms[2] is not None  # running_mean
+    assert batch_norms[2] is not running["running_mean"]  # each variant its own
     with pytest.raises(ValueError, match="unknown flags"):
         compare._parse("4x3x5x5:mask")
 

@@ -624,23 +624,26 @@ def forward_train(
         saved_input, centered = backward_input(input, moments, valid)
         if centered:  # the shifted copy's mean
             saved_mean = mean - moments.shift
-    # the per-channel vectors the call needs, converted to the statistics dtype in two
-    # groups: what backward saves (see ForwardResult.saved), and the output's offset with
-    # the running statistics' targets, if there are running statistics
-    dtype = _stats.stat_dtype(input.dtype)
-    saved = torch.stack([saved_mean, var, scale, scale / divisors[2]]).to(dtype)
-    offset = output_offset(moments.shift, mean, scale, bias)
+    # the per-channel vectors the call needs, converted to the statistics dtype at once (two
+    # kernels): what backward saves (see ForwardResult.saved), the output's offset, and the
+    # running statistics' targets, if there are running statistics
+    rows = [
+        saved_mean,
+        var,
+        scale,
+        scale / divisors[2],
+        output_offset(moments.shift, mean, scale, bias),
+    ]
+    tracked = running_mean is not None or running_var is not None
+    if tracked:
+        rows += [mean, unbiased_var]
+    converted = torch.stack(rows).to(_stats.stat_dtype(input.dtype))
+    saved, offset = converted[:4], converted[4]  # views (not unbind: each view costs time)
     recomputing = is_recomputing()  # a checkpointed forward already updated the buffers
-    if running_mean is None and running_var is None:
-        offset = offset.to(dtype)
-    else:
-        offset, running_mean_target, running_var_target = (
-            torch.stack([offset, mean, unbiased_var]).to(dtype).unbind()
+    if tracked and not recomputing:
+        _stats.update_running_stats(
+            running_mean, running_var, converted[5], converted[6], reduced.factor
         )
-        if not recomputing:
-            _stats.update_running_stats(
-                running_mean, running_var, running_mean_target, running_var_target, reduced.factor
-            )
     if num_batches_tracked is not None and not recomputing:
         # a deferred check that fails counts no batch (its increment is 0)
         increment = reduced.increment
