@@ -30,6 +30,7 @@ from syncbn._kernels.generic import (
     in_place_masked,
     masked_input_grad,
     output_offset,
+    reuses_shifted_copy,
 )
 
 __all__ = [
@@ -617,32 +618,36 @@ def forward_train(
     count = reduced.global_count
     divisors = count_divisors(count, buffer.device)
     sums = _protocol.forward_sums(reduced.buffer)
-    mean, var, unbiased_var = _stats.moments_from_divisors(sums, divisors)
+    mean, var, unbiased_var = _stats.moments_from_divisors(
+        sums, divisors, unbiased=running_var is not None
+    )
     scale = _stats.scale(var, options.eps, weight)
     saved_input, saved_mean = input, mean
     if valid is not None:
         saved_input, centered = backward_input(input, moments, valid)
         if centered:  # the shifted copy's mean
             saved_mean = mean - moments.shift
-    # the per-channel vectors the call needs, converted to the statistics dtype at once (two
-    # kernels): what backward saves (see ForwardResult.saved), the output's offset, and the
-    # running statistics' targets, if there are running statistics
-    rows = [
-        saved_mean,
-        var,
-        scale,
-        scale / divisors[2],
-        output_offset(moments.shift, mean, scale, bias),
-    ]
+    # what backward saves (see ForwardResult.saved), converted to the statistics dtype in a
+    # tensor of its own (backward keeps it alive); then, in one more conversion, the output's
+    # offset, where the output is written into the shifted copy (low precision takes an
+    # eval-mode batch_norm, which needs none), and the running statistics' targets, if there
+    # are running statistics (the variance's unread without a running variance)
+    dtype = _stats.stat_dtype(input.dtype)
+    saved = torch.stack([saved_mean, var, scale, scale / divisors[2]]).to(dtype)
+    rows = []
+    with_offset = reuses_shifted_copy(input, moments)
+    if with_offset:
+        rows.append(output_offset(moments.shift, mean, scale, bias))
     tracked = running_mean is not None or running_var is not None
     if tracked:
-        rows += [mean, unbiased_var]
-    converted = torch.stack(rows).to(_stats.stat_dtype(input.dtype))
-    saved, offset = converted[:4], converted[4]  # views (not unbind: each view costs time)
+        rows += [mean, var if unbiased_var is None else unbiased_var]
+    converted = _converted(rows, dtype)
+    offset = converted[0] if with_offset else None
     recomputing = is_recomputing()  # a checkpointed forward already updated the buffers
     if tracked and not recomputing:
+        running_mean_target, running_var_target = converted[-2:]
         _stats.update_running_stats(
-            running_mean, running_var, converted[5], converted[6], reduced.factor
+            running_mean, running_var, running_mean_target, running_var_target, reduced.factor
         )
     if num_batches_tracked is not None and not recomputing:
         # a deferred check that fails counts no batch (its increment is 0)
@@ -650,6 +655,13 @@ def forward_train(
         num_batches_tracked.add_(1 if increment is None else increment)
     output = kernels.normalize(input, moments, saved, offset, weight, bias, options.eps, valid)
     return ForwardResult(output, saved, count, saved_input, valid)
+
+
+def _converted(rows: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``(C,)`` vectors in ``dtype``, in one conversion: a copy of one, a stack of more."""
+    if len(rows) == 1:
+        return (rows[0].to(dtype),)
+    return torch.stack(rows).to(dtype).unbind() if rows else ()
 
 
 def _forward_on_fused_kernel(

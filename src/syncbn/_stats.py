@@ -85,8 +85,10 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
 
 
 def moments_from_divisors(
-    sums: torch.Tensor, divisors: torch.Tensor | tuple[float, float, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sums: torch.Tensor,
+    divisors: torch.Tensor | tuple[float, float, float],
+    unbiased: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Global mean, biased and unbiased variances, in float64: the forms of
     :func:`global_moments` that an eager training call uses (four kernels for a count on
     the device).
@@ -96,11 +98,15 @@ def moments_from_divisors(
         divisors: ``n`` and ``n - 1`` (at least 1 each) for the global count ``n`` per
             channel, then the divisor of the input gradient's corrections (``-n``, unused
             here): a ``(3, 1)`` float64 tensor, or numbers for a count known on the host.
+        unbiased: whether the unbiased variance is wanted (a running variance to update);
+            ``None`` in its place otherwise.
     """
     total, square_total = sums.unbind()
     mean = total / divisors[0]
     # n times the biased variance: sum(x**2) - n * mean**2, at least 0
     deviations = torch.addcmul(square_total, total, mean, value=-1).clamp_(min=0)
+    if not unbiased:
+        return mean, deviations / divisors[0], None
     if isinstance(divisors, torch.Tensor):
         var, unbiased_var = (deviations / divisors[:2]).unbind()
         return mean, var, unbiased_var

@@ -56,7 +56,7 @@ class Kernels(Protocol):
         input: torch.Tensor,
         moments: LocalMoments,
         saved: torch.Tensor,
-        offset: torch.Tensor,
+        offset: torch.Tensor | None,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         eps: float,

@@ -72,7 +72,7 @@ def normalize(
     input: torch.Tensor,
     moments: LocalMoments,
     saved: torch.Tensor,
-    offset: torch.Tensor,
+    offset: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
@@ -83,7 +83,7 @@ def normalize(
     centered = moments.centered
     dtype = saved.dtype
     fused = valid is None and dtype == input.dtype
-    if not fused or centered is None or dense_format(centered) is None:
+    if not fused or centered is None or offset is None or dense_format(centered) is None:
         return generic.normalize(input, moments, saved, offset, weight, bias, eps, valid)
     _, _, scale, _ = saved.unbind()
     zeros, _, _ = generic.constants(scale.numel(), dtype, scale.device)

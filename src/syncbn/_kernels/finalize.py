@@ -4,9 +4,9 @@ maths after it, in forward and in backward.
 
 On a GPU an eager training call is bound by the host: the first GPU run (H100, 2026-11-28,
 README "On a GPU") measured ~2.2 ms of host time per forward+backward call of one layer,
-whatever the shape, for 43 kernel launches (41 now), and ~130 µs of device time per call inside a
-CUDA graph, where cuDNN's BatchNorm takes a few kernels. Of a deferred forward's 31 kernels,
-22 are tiny ops between the collective and the output pass: the header's checks
+whatever the shape, for 43 kernel launches, and ~130 µs of device time per call inside a
+CUDA graph, where cuDNN's BatchNorm takes a few kernels. Of a deferred forward's 33 kernels,
+24 are tiny ops between the collective and the output pass: the header's checks
 (:func:`syncbn._protocol.device_flags`) and the factor of the running statistics' update,
 the divisors of the global count, mean and variances, scale, the saved statistics, the
 output's offset, the running statistics and the batch counter.
@@ -19,7 +19,7 @@ sums and packs the buffer in one kernel (the generic code runs five). In the bac
 :func:`pack_backward` packs the local sums in one kernel (CUDA's ``torch.cat`` of mixed
 dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
 gradient's corrections in one (the generic code runs three). A call then runs 6 torch
-kernels and these 4 instead of 41: the shifted copy, its sums and the output in forward,
+kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
 the sums, the correction pass and the gradient in backward; with
 :mod:`syncbn._kernels.triton_passes` (below) 3 torch kernels and 8 Triton ones.
 

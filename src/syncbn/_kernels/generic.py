@@ -33,6 +33,7 @@ __all__ = [
     "normalize",
     "output_format",
     "output_offset",
+    "reuses_shifted_copy",
     "shifted_sums",
     "zero_padded",
 ]
@@ -344,11 +345,19 @@ def output_offset(
     return shifted * scale if bias is None else torch.addcmul(bias, shifted, scale)
 
 
+def reuses_shifted_copy(input: torch.Tensor, moments: LocalMoments) -> bool:
+    """Whether :func:`normalize` writes the output into the shifted copy, from the offset
+    (float32 and float64 input, a non-empty batch); else it runs an eval-mode
+    ``batch_norm`` with the saved statistics, and the caller need not compute an offset."""
+    centered = moments.centered
+    return centered is not None and centered.dtype == input.dtype
+
+
 def normalize(
     input: torch.Tensor,
     moments: LocalMoments,
     saved: torch.Tensor,
-    offset: torch.Tensor,
+    offset: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
@@ -373,12 +382,13 @@ def normalize(
             row that backward reads. Its mean row is read only by the ``batch_norm`` path
             (where it is the input's mean; a masked call that reuses the shifted copy saves
             ``mean - shift`` there).
-        offset: ``(C,)`` :func:`output_offset` in the statistics dtype.
+        offset: ``(C,)`` :func:`output_offset` in the statistics dtype; ``None`` where
+            :func:`reuses_shifted_copy` is false (it is not read then).
     """
     dtype = saved.dtype
     centered = moments.centered
     mean, var, scale, _ = saved.unbind()
-    if centered is None or dtype != input.dtype:
+    if centered is None or not reuses_shifted_copy(input, moments):
         output = torch.batch_norm(
             input,
             None if weight is None else weight.to(dtype),
@@ -391,6 +401,8 @@ def normalize(
             False,
         )
         return output if valid is None else zero_padded(output, valid, inplace=True)
+    if offset is None:
+        raise ValueError("normalize: an output written into the shifted copy needs its offset")
     ndim = centered.dim()
     scale, offset = channel_view(scale, ndim), channel_view(offset, ndim)
     if valid is None:
