@@ -625,23 +625,27 @@ _HOST_READ_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(_HOST_READ_LAYOUTS))
-@pytest.mark.parametrize("valid_share", [0.0, 0.2, 1.0], ids=["none", "some", "all"])
-def test_host_reads_give_the_moments_of_the_device_path(layout: str, valid_share: float) -> None:
+@pytest.mark.parametrize("valid", ["none", "later", "first", "all"])
+def test_host_reads_give_the_moments_of_the_device_path(layout: str, valid: str) -> None:
     """A CPU call whose checks are immediate reads its valid count and first valid position
-    back (5 ops fewer); its count, shift, shifted copy and sums are the device path's, bit
-    for bit, whatever the padded positions hold."""
+    back (7 ops fewer); its count, shift, shifted copy and sums are the device path's, bit
+    for bit, whatever the padded positions hold: no position valid, the first valid one
+    further in, the very first valid (which needs no search), every position valid."""
     from syncbn._kernels.generic import shifted_sums
 
     x = _HOST_READ_LAYOUTS[layout]()
     positions = (x.shape[0], 1, *x.shape[2:])
-    valid = torch.rand(positions) < valid_share
-    if 0.0 < valid_share < 1.0:
-        valid.view(-1)[:5] = False  # the first valid position is further in
-        valid.view(-1)[-1] = True
-    x[~valid.expand_as(x)] = float("nan")
-    on_device = shifted_sums(x, valid)
-    read_back = shifted_sums(x, valid, host_reads=True)
-    assert isinstance(read_back[4], int) and read_back[4] == int(valid.sum())
+    share = {"none": 0.0, "later": 0.2, "first": 0.5, "all": 1.0}[valid]
+    mask = torch.rand(positions) < share
+    if valid == "later":
+        mask.view(-1)[:5] = False
+        mask.view(-1)[-1] = True
+    if valid == "first":
+        mask.view(-1)[0], mask.view(-1)[1] = True, False
+    x[~mask.expand_as(x)] = float("nan")
+    on_device = shifted_sums(x, mask)
+    read_back = shifted_sums(x, mask, host_reads=True)
+    assert isinstance(read_back[4], int) and read_back[4] == int(mask.sum())
     assert read_back[4] == cast(torch.Tensor, on_device[4]).item()
     for name, index in (("sum", 0), ("square sum", 1), ("shift", 2), ("shifted copy", 3)):
         got, expected = cast(torch.Tensor, read_back[index]), cast(torch.Tensor, on_device[index])

@@ -289,8 +289,10 @@ def _first_valid_view(x: torch.Tensor, valid: torch.Tensor, count: int) -> torch
     host: a strided view of ``x`` (as :func:`_center`'s shift), zeros if ``count`` is 0."""
     if count == 0:
         return x.new_zeros((1, x.shape[1]) + (1,) * (x.dim() - 2))
-    # every position valid: the first; else the first maximum of the flat mask
-    index = 0 if count == valid.numel() else int(valid.reshape(-1).max(0).indices)
+    # the first position, when it is valid (so is every position, or the batch's first
+    # sample starts valid: padded sequences); else the first maximum of the flat mask
+    first_valid = count == valid.numel() or bool(valid.as_strided((), ()))  # one view
+    index = 0 if first_valid else int(valid.reshape(-1).max(0).indices)
     offset = x.storage_offset()
     for dim in reversed([0, *range(2, x.dim())]):  # the flat index over (N, *) unravelled
         index, position = divmod(index, x.shape[dim])
