@@ -8,20 +8,20 @@ Kernels (ops that are neither views nor bare allocations: on a GPU, launches; a
 ``torch.cat`` of mixed dtypes counts one per input, as CUDA copies them one by one) are
 budgeted apart from all calls. A change that adds ops to every call fails here and must
 raise the budget on purpose. Measured with torch 2.13, running statistics tracked (calls /
-kernels): forward 38 / 28 and backward 16 / 10 unmasked; forward 51 / 34 and backward 28 /
-16 masked, its valid count and first valid position read back to the host, as a CPU call
-with immediate checks does; with the checks deferred, as on accelerators, forward 51 / 33
-and backward 16 / 10 unmasked, 71 / 42 and 28 / 16 masked (the count and position stay on
-the device); bfloat16 input with float32 parameters, forward 35 / 27 and backward 17 / 11
-(its output is an eval-mode ``batch_norm``, which takes no offset). A host read
-(``_local_scalar_dense``) counts as a kernel. Kernels are budgeted 1 over these counts.
-Before: the output's offset computed for low-precision calls too (2 kernels); masked CPU
-calls keeping the count and position on the device (58 / 37); the mask converted to integer
-words and to floats before the passes that take it (61 / 40); the per-channel maths before
-they were regrouped (deferred 51 / 39 and 17 / 13). One stack instead of two for the
-per-channel conversions would save 2 kernels more, but ``saved`` would then be a view that
-keeps the other rows alive for backward (tests/test_collectives.py: no more saved than
-BatchNorm).
+kernels): forward 38 / 28 and backward 16 / 10 unmasked; forward 50 / 33 and backward 28 /
+16 masked, its valid count read back to the host and its first position found valid (no
+search), as a CPU call with immediate checks does (51 / 34 where it searches); with the
+checks deferred, as on accelerators, forward 51 / 33 and backward 16 / 10 unmasked, 71 / 42
+and 28 / 16 masked (the count and position stay on the device); bfloat16 input with float32
+parameters, forward 35 / 27 and backward 17 / 11 (its output is an eval-mode ``batch_norm``,
+which takes no offset). A host read (``_local_scalar_dense``) counts as a kernel. Kernels
+are budgeted 1 over these counts. Before: the output's offset computed for low-precision
+calls too (2 kernels); masked CPU calls keeping the count and position on the device (58 /
+37); the mask converted to integer words and to floats before the passes that take it (61 /
+40); the per-channel maths before they were regrouped (deferred 51 / 39 and 17 / 13). One
+stack instead of two for the per-channel conversions would save 2 kernels more, but
+``saved`` would then be a view that keeps the other rows alive for backward
+(tests/test_collectives.py: no more saved than BatchNorm).
 
 Under ``torch.compile`` the maths are fused into the graph's kernels, and what each call
 still issues on its own is the body of the ``syncbn::`` ops (:mod:`syncbn._compiled`):
