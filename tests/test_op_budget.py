@@ -170,3 +170,34 @@ def test_the_compiled_ops_stay_within_their_kernel_budget(check_mode: str) -> No
     torch.testing.assert_close(global_moments, moments, rtol=0, atol=0)
     torch.testing.assert_close(update, torch.tensor([1.0, 0.1], dtype=torch.float64))
     torch.testing.assert_close(grad, torch.cat([torch.zeros(1, dtype=grad.dtype), moments[1:]]))
+
+
+#: aten calls that read a tensor's value back to the host (``item``, ``bool``, ``int``, a
+#: ``nonzero``...): on a GPU, each waits for the device. (The checks' headers are read with
+#: ``Tensor.tolist``, which no dispatch mode sees: at once on the CPU, and on a GPU from a
+#: host copy whose event has completed.)
+_HOST_READS = frozenset({"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "allclose"})
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_deferred_calls_read_no_value_back(masked: bool) -> None:
+    """Deferred checks, the accelerators' mode, read no value back in a training call,
+    masked or not; an immediate CPU call reads a masked batch's valid count, whether its
+    first position is valid, and where the first valid one is (free on the CPU)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 3, 3, requires_grad=True)
+    dy = torch.randn_like(x)
+    mask = torch.rand(4, 3, 3) < 0.7 if masked else None
+    if mask is not None:
+        mask[0, 0, 0] = False  # the first valid position is searched for
+    weight, bias = torch.rand(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    reads = {}
+    for check_mode in ("deferred", "immediate"):
+        options = TrainOptions(LocalReducer(), LayerInfo("reads", 8, check_mode=check_mode))
+        buffers = (torch.zeros(8), torch.ones(8), torch.zeros((), dtype=torch.long))
+        with _Ops() as ops:
+            y = train_call(x, weight, bias, options, *buffers, mask=mask)
+            torch.autograd.grad(y, (x, weight, bias), dy)
+        reads[check_mode] = [name for name in ops.names if name in _HOST_READS]
+    assert reads["deferred"] == []
+    assert reads["immediate"] == (["_local_scalar_dense"] * 3 if masked else [])
