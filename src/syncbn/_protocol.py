@@ -207,7 +207,10 @@ def forward_sums(buffer: torch.Tensor) -> torch.Tensor:
 
 def backward_totals(buffer: torch.Tensor) -> torch.Tensor:
     """Global ``sum(dy)`` and ``sum(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
-    return buffer[_HEADER_SIZE:-1].view(2, -1)
+    num_channels = (buffer.numel() - _HEADER_SIZE - 1) // 2
+    return buffer.as_strided(
+        (2, num_channels), (num_channels, 1), buffer.storage_offset() + _HEADER_SIZE
+    )
 
 
 class Header(NamedTuple):

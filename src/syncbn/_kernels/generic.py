@@ -59,7 +59,17 @@ class LocalMoments(NamedTuple):
 
 def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     """View a ``(C,)`` vector so it broadcasts against an ``(N, C, *)`` tensor of ``ndim`` dims."""
-    return vector.view([1, -1] + [1] * (ndim - 2))
+    return vector.view(1, -1, *(1,) * (ndim - 2))  # sizes as arguments: parsed faster than a list
+
+
+def _broadcast_row(matrix: torch.Tensor, row: int, ndim: int) -> torch.Tensor:
+    """Row ``row`` of an ``(R, C)`` ``matrix`` in :func:`channel_view`'s shape: one op, where a
+    ``select`` and a ``view`` are two."""
+    return matrix.as_strided(
+        (1, matrix.shape[1]) + (1,) * (ndim - 2),
+        (0, matrix.stride(1)) + (0,) * (ndim - 2),
+        matrix.storage_offset() + row * matrix.stride(0),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -339,10 +349,10 @@ def _sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, to
 def output_offset(
     shift: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``bias + (shift - mean) * scale`` in float64 (``mean`` and ``scale`` are float64): the
-    output is ``(x - shift) * scale`` plus this, which loses nothing to a large mean (the
-    shift is one of the data's values)."""
-    shifted = shift.view(-1) - mean
+    """``bias + (shift - mean) * scale`` of ``(C,)`` vectors, in float64 (``mean`` and
+    ``scale`` are float64): the output is ``(x - shift) * scale`` plus this, which loses
+    nothing to a large mean (the shift is one of the data's values)."""
+    shifted = shift - mean
     # out of place: under torch.compile (syncbn._composite) this is differentiated
     return shifted * scale if bias is None else torch.addcmul(bias, shifted, scale)
 
@@ -389,8 +399,8 @@ def normalize(
     """
     dtype = saved.dtype
     centered = moments.centered
-    mean, var, scale, _ = saved.unbind()
     if centered is None or not reuses_shifted_copy(input, moments):
+        mean, var, _, _ = saved.unbind()
         output = torch.batch_norm(
             input,
             None if weight is None else weight.to(dtype),
@@ -406,7 +416,7 @@ def normalize(
     if offset is None:
         raise ValueError("normalize: an output written into the shifted copy needs its offset")
     ndim = centered.dim()
-    scale, offset = channel_view(scale, ndim), channel_view(offset, ndim)
+    scale, offset = _broadcast_row(saved, 2, ndim), channel_view(offset, ndim)
     if valid is None:
         return centered.mul_(scale).add_(offset)
     return torch.mul(centered, scale).addcmul_(valid, offset)
@@ -497,7 +507,7 @@ def corrected_input_grad(
     global ``sum(dy)`` and ``sum(dy * xhat)`` times ``saved``'s last row (the means that
     the gradient subtracts, times :math:`-\\gamma\\sigma^{-1}`)."""
     mean, var, scale, _ = saved.unbind()
-    correction_bias, correction_weight = corrections
+    correction_bias, correction_weight = corrections.unbind()
     ndim = input.dim()
     if valid is not None and in_place_masked(grad_output, input, saved):
         # batch_norm(x, w, b, mean, var) is x * a + (b - a * mean) with a = w / sqrt(var + eps)
