@@ -617,7 +617,7 @@ def forward_train(
     )
     count = reduced.global_count
     divisors = count_divisors(count, buffer.device)
-    sums = _protocol.forward_sums(reduced.buffer)
+    sums = _protocol.forward_totals(reduced.buffer)
     mean, var, unbiased_var = _stats.moments_from_divisors(
         sums, divisors, unbiased=running_var is not None
     )

@@ -62,6 +62,7 @@ __all__ = [
     "forward_moments",
     "forward_size",
     "forward_sums",
+    "forward_totals",
     "header_values",
     "on_device",
     "pack_backward",
@@ -195,6 +196,14 @@ def count_slot(buffer: torch.Tensor) -> torch.Tensor:
 def forward_moments(buffer: torch.Tensor) -> torch.Tensor:
     """The ``[n, sum(x) (C), sum(x**2) (C)]`` middle of a forward buffer (a view)."""
     return buffer.narrow(0, _COUNT_SLOT, buffer.numel() - _COUNT_SLOT - 1)
+
+
+def forward_totals(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward buffer's ``sum(x)`` and ``sum(x**2)``: two ``(C,)`` views, in one op."""
+    num_channels = (buffer.numel() - _COUNT_SLOT - 2) // 2
+    sizes = [_COUNT_SLOT + 1, num_channels, num_channels, 1]
+    _, total, square_total, _ = buffer.split_with_sizes(sizes)
+    return total, square_total
 
 
 def forward_sums(buffer: torch.Tensor) -> torch.Tensor:

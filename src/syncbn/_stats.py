@@ -85,7 +85,7 @@ def scale(var: torch.Tensor, eps: float, weight: torch.Tensor | None) -> torch.T
 
 
 def moments_from_divisors(
-    sums: torch.Tensor,
+    sums: tuple[torch.Tensor, torch.Tensor],
     divisors: torch.Tensor | tuple[float, float, float],
     unbiased: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -94,14 +94,14 @@ def moments_from_divisors(
     the device).
 
     Args:
-        sums: ``(2, C)`` float64: the global ``sum(x)`` and ``sum(x**2)``.
+        sums: ``(C,)`` float64 each: the global ``sum(x)`` and ``sum(x**2)``.
         divisors: ``n`` and ``n - 1`` (at least 1 each) for the global count ``n`` per
             channel, then the divisor of the input gradient's corrections (``-n``, unused
             here): a ``(3, 1)`` float64 tensor, or numbers for a count known on the host.
         unbiased: whether the unbiased variance is wanted (a running variance to update);
             ``None`` in its place otherwise.
     """
-    total, square_total = sums.unbind()
+    total, square_total = sums
     mean = total / divisors[0]
     # n times the biased variance: sum(x**2) - n * mean**2, at least 0
     deviations = torch.addcmul(square_total, total, mean, value=-1).clamp_(min=0)

@@ -233,7 +233,7 @@ def pack_forward(
             COUNT_IN_TENSOR=valid_count is not None,
             BLOCK=_BLOCK,
         )
-    total, square_total = _protocol.forward_sums(buffer).unbind()
+    total, square_total = _protocol.forward_totals(buffer)
     local_count = count if valid_count is None else valid_count
     return LocalMoments(total, square_total, shift, centered, local_count), buffer
 
