@@ -21,9 +21,10 @@ or ``split_with_sizes`` now replaces, and a ``detach`` outside grad mode (4 call
 1 backward); the output's offset computed for low-precision calls too (2 kernels); masked
 CPU calls keeping the count and position on the device (58 / 37); the mask converted to
 integer words and to floats before the passes that take it (61 / 40); the per-channel maths
-before they were regrouped (deferred 51 / 39 and 17 / 13). One stack instead of two for the per-channel
-conversions would save 2 kernels more, but ``saved`` would then be a view that keeps the
-other rows alive for backward (tests/test_collectives.py: no more saved than BatchNorm).
+before they were regrouped (deferred 51 / 39 and 17 / 13). One stack instead of two for the
+per-channel conversions would save 2 kernels more, but ``saved`` would then be a view that
+keeps the other rows alive for backward (tests/test_collectives.py: no more saved than
+BatchNorm).
 
 Under ``torch.compile`` the maths are fused into the graph's kernels, and what each call
 still issues on its own is the body of the ``syncbn::`` ops (:mod:`syncbn._compiled`):
