@@ -732,3 +732,115 @@ def test_torch_fx_keeps_the_layers_as_leaves(mode: str) -> None:
     x = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(traced(x), model(x))
     torch.testing.assert_close(traced.state_dict(), model.state_dict())
+
+
+def _masked_data(
+    sizes: Sequence[int], valid: Sequence[float], seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per replica: an (N, 3, 6) float64 input, a mask and an output gradient, both NaN at
+    the padded positions (nothing there may reach an output, gradient or statistic)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, masks, dys = [], [], []
+    for size, fraction in zip(sizes, valid):
+        x = torch.randn(size, 3, 6, generator=gen, dtype=torch.float64) * 2 + 5
+        mask = torch.rand(size, 6, generator=gen) < fraction
+        dy = torch.randn(size, 3, 6, generator=gen, dtype=torch.float64)
+        padded = (~mask).unsqueeze(1).expand_as(x)
+        xs.append(x.masked_fill(padded, float("nan")))
+        dys.append(dy.masked_fill(padded, float("nan")))
+        masks.append(mask)
+    return xs, masks, dys
+
+
+def _gathered(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The valid positions of every replica's (N, C, L) slice as one (M, C) batch."""
+    return torch.cat([t.transpose(1, 2)[m] for t, m in zip(tensors, masks)])
+
+
+def test_masked_replicas_match_batchnorm_on_the_gathered_valid_positions() -> None:
+    # uneven slices, one replica with every position padded
+    sizes, valid = (2, 3, 2), (0.7, 0.5, 0.0)
+    layer = SynchronizedBatchNorm1d(3, momentum=None).double()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-1.0, 1.0)
+    reference_layer = nn.BatchNorm1d(3, momentum=None).double()
+    reference_layer.load_state_dict(layer.state_dict())
+    xs, masks, dys = _masked_data(sizes, valid)
+    replicas = replicate(layer, len(sizes))
+    leaves = [x.clone().requires_grad_() for x in xs]
+
+    def work(copy_id: int) -> torch.Tensor:
+        output = replicas[copy_id](leaves[copy_id], mask=masks[copy_id])
+        output.backward(dys[copy_id])
+        return output.detach()
+
+    outputs, errors = in_threads(work, len(sizes))
+    assert errors == [None] * len(sizes)
+
+    x_valid = _gathered(xs, masks).requires_grad_()
+    expected = reference_layer(x_valid)
+    expected.backward(_gathered(dys, masks))
+    assert x_valid.grad is not None and reference_layer.weight.grad is not None
+    grads = [leaf.grad for leaf in leaves]
+    assert all(grad is not None for grad in grads)
+    torch.testing.assert_close(_gathered(outputs, masks), expected.detach(), **TOL)
+    torch.testing.assert_close(_gathered(grads, masks), x_valid.grad, **TOL)  # type: ignore[arg-type]
+    for output, grad, mask in zip(outputs, grads, masks):
+        padded = (~mask).unsqueeze(1).expand_as(output)
+        assert (output[padded] == 0).all() and (grad[padded] == 0).all()  # type: ignore[index]
+    torch.testing.assert_close(layer.weight.grad, reference_layer.weight.grad, **TOL)
+    torch.testing.assert_close(layer.bias.grad, reference_layer.bias.grad, **TOL)
+    torch.testing.assert_close(layer.running_mean, reference_layer.running_mean, **TOL)
+    torch.testing.assert_close(layer.running_var, reference_layer.running_var, **TOL)
+    assert layer.num_batches_tracked is not None and int(layer.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_a_masked_call_without_replicas_normalizes_the_valid_positions(
+    training: bool, track_running_stats: bool
+) -> None:
+    layer = SynchronizedBatchNorm1d(3, track_running_stats=track_running_stats).double()
+    reference_layer = nn.BatchNorm1d(3, track_running_stats=track_running_stats).double()
+    if track_running_stats:  # eval mode reads them
+        for module in (layer, reference_layer):
+            module.running_mean.fill_(4.0)  # type: ignore[union-attr]
+            module.running_var.fill_(3.0)  # type: ignore[union-attr]
+    layer.train(training)
+    reference_layer.train(training)
+    (x,), (mask,), (dy,) = _masked_data((4,), (0.6,), seed=1)
+    leaf = x.clone().requires_grad_()
+    output = layer(leaf, mask=mask)
+    output.backward(dy)
+
+    x_valid = _gathered([x], [mask]).requires_grad_()
+    expected = reference_layer(x_valid)
+    expected.backward(_gathered([dy], [mask]))
+    assert leaf.grad is not None and x_valid.grad is not None
+    torch.testing.assert_close(_gathered([output.detach()], [mask]), expected.detach(), **TOL)
+    torch.testing.assert_close(_gathered([leaf.grad], [mask]), x_valid.grad, **TOL)
+    padded = (~mask).unsqueeze(1).expand_as(output)
+    assert (output[padded] == 0).all() and (leaf.grad[padded] == 0).all()
+    torch.testing.assert_close(layer.weight.grad, reference_layer.weight.grad, **TOL)
+    if track_running_stats:
+        torch.testing.assert_close(layer.running_mean, reference_layer.running_mean, **TOL)
+        torch.testing.assert_close(layer.running_var, reference_layer.running_var, **TOL)
+        counted, reference_counted = layer.num_batches_tracked, reference_layer.num_batches_tracked
+        assert counted is not None and reference_counted is not None
+        assert int(counted) == int(reference_counted)
+
+
+def test_an_invalid_mask_on_one_replica_releases_the_others_with_its_error() -> None:
+    replicas = replicate(SynchronizedBatchNorm1d(3), 3)  # default timeout: no wait expected
+    mask_lengths = [6, 5, 6]
+
+    def work(copy_id: int) -> None:
+        mask = torch.ones(2, mask_lengths[copy_id], dtype=torch.bool)
+        replicas[copy_id](torch.randn(2, 3, 6), mask=mask)
+
+    _, errors = in_threads(work, 3)
+    assert isinstance(errors[1], ValueError), errors[1]
+    for copy_id in (0, 2):
+        assert isinstance(errors[copy_id], RuntimeError), errors[copy_id]
+        assert "because replica 1 raised ValueError" in str(errors[copy_id])

@@ -43,8 +43,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from syncbn import _protocol
-from syncbn._autograd import LayerInfo, TrainOptions, input_problem, sync_batch_norm_train
+from syncbn._autograd import (
+    LayerInfo,
+    LocalReducer,
+    TrainOptions,
+    input_problem,
+    sync_batch_norm_train,
+)
 from syncbn._compiled import leaf_call_when_fx_traced
+from syncbn._composite import batch_norm_valid, mask_problem
 from syncbn._conversion import (
     batchnorm_twin,
     computed_parameters,
@@ -127,16 +134,20 @@ class _SynchronizedBatchNorm(_BatchNorm):
             input, self.num_features, layer_kind=type(self).__name__, parameters=parameters
         )
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        traced = leaf_call_when_fx_traced(self, input)
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        traced = leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
         rendezvous = self._replica_sync
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
             # Not a replica among several, or not training: exactly torch's BatchNorm.
-            return super().forward(input)
+            if mask is None:
+                return super().forward(input)
+            return self._masked_without_replicas(input, mask)
 
         problem = self._input_problem(input)
+        if problem is None and mask is not None:
+            problem = mask_problem(mask, input)
         if problem is not None:
             rendezvous.abort(self._replica_copy_id, problem)
             raise problem
@@ -152,6 +163,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
                 running_mean=self.running_mean if tracking else None,
                 running_var=self.running_var if tracking else None,
                 num_batches_tracked=self.num_batches_tracked if tracking else None,
+                mask=mask,
             )
         except _STOP_RECOMPUTATION:
             raise  # checkpointing's signal, after the exchange: not a failure of this replica
@@ -160,6 +172,36 @@ class _SynchronizedBatchNorm(_BatchNorm):
             raise
         finally:
             self._replica_calls += 1
+
+    def _masked_without_replicas(self, input: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A masked call that no other replica joins: in eval mode torch's BatchNorm with
+        zeros at the padded positions; in training (or in eval without running statistics)
+        the statistics of this call's valid positions, as :class:`syncbn.SyncBatchNorm`
+        computes them in a process alone."""
+        problem = self._input_problem(input)
+        if problem is None:
+            problem = mask_problem(mask, input)
+        if problem is not None:
+            raise problem
+        tracking = self.track_running_stats
+        running_mean = self.running_mean if tracking else None
+        running_var = self.running_var if tracking else None
+        if not self.training and running_mean is not None and running_var is not None:
+            return batch_norm_valid(
+                input, mask, running_mean, running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
+        update = self.training  # eval without running statistics updates nothing
+        layer = LayerInfo(type(self).__name__, self.num_features, None, False)
+        return sync_batch_norm_train(
+            input,
+            self.weight,
+            self.bias,
+            TrainOptions(LocalReducer(), layer, self.eps, self.momentum),
+            running_mean=running_mean if update else None,
+            running_var=running_var if update else None,
+            num_batches_tracked=self.num_batches_tracked if update and tracking else None,
+            mask=mask,
+        )
 
 
 _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for {dims} input.
@@ -182,8 +224,15 @@ _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for
 
     .. note::
         Without replication (CPU only, a single device, or outside DataParallel) and
-        in eval mode the layer is exactly :class:`torch.nn.{torch_name}`: it starts
-        no threads and never waits.
+        in eval mode a call without a mask is exactly :class:`torch.nn.{torch_name}`'s,
+        and no call starts threads or waits.
+
+    ``layer(input, mask)`` takes a bool ``mask``, True at the valid positions of a padded
+    batch (the input's shape without the channel dimension, or broadcastable to it), as
+    :class:`syncbn.SyncBatchNorm` does (vacancy's layers take none): in training the
+    statistics are those of the valid positions of all replicas' slices, and padded
+    positions of the output and of the input gradient are zero; in eval mode the running
+    statistics normalize, and padded positions are zero.
 
     .. note::
         Every replica must call the layer the same number of times in each forward,
@@ -212,6 +261,7 @@ _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for
 
     Shape:
         - Input: {shape}
+        - Mask (optional): the input's shape without dimension 1, or broadcastable to it
         - Output: {shape} (same shape as input)
 
     Examples::
