@@ -140,7 +140,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
             return traced  # type: ignore[no-any-return]
         rendezvous = self._replica_sync
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
-            # Not a replica among several, or not training: exactly torch's BatchNorm.
+            # Not a replica among several, or not training: exactly torch's BatchNorm (with
+            # a mask, that of the valid positions).
             if mask is None:
                 return super().forward(input)
             return self._masked_without_replicas(input, mask)
