@@ -62,16 +62,6 @@ def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     return vector.view(1, -1, *(1,) * (ndim - 2))  # sizes as arguments: parsed faster than a list
 
 
-def _broadcast_row(matrix: torch.Tensor, row: int, ndim: int) -> torch.Tensor:
-    """Row ``row`` of an ``(R, C)`` ``matrix`` in :func:`channel_view`'s shape: one op, where a
-    ``select`` and a ``view`` are two."""
-    return matrix.as_strided(
-        (1, matrix.shape[1]) + (1,) * (ndim - 2),
-        (0, matrix.stride(1)) + (0,) * (ndim - 2),
-        matrix.storage_offset() + row * matrix.stride(0),
-    )
-
-
 @functools.lru_cache(maxsize=64)
 def constants(
     num_channels: int, dtype: torch.dtype, device: torch.device
@@ -164,11 +154,14 @@ def _center(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return detached.to(dtype, memory_format=format).sub_(shift), shift
 
 
-def _sample_view(x: torch.Tensor, offset: int | torch.SymInt) -> torch.Tensor:
-    """The ``(C,)`` values of ``x`` at one position, ``x[n, :, i, ...]``, as a strided view in
-    broadcast shape ``(1, C, 1, ...)``, given the storage ``offset`` of its first element:
+def _sample_view(
+    x: torch.Tensor, offset: int | torch.SymInt, ndim: int | None = None
+) -> torch.Tensor:
+    """The ``(C,)`` values of ``x`` at one position, ``x[n, :, i, ...]`` (or one row of a
+    ``(R, C)`` matrix), as a strided view in broadcast shape ``(1, C, 1, ...)`` of ``ndim``
+    dimensions (``x``'s by default), given the storage ``offset`` of its first element:
     one op instead of an index per dimension and a view."""
-    ndim = x.dim()
+    ndim = x.dim() if ndim is None else ndim
     return x.as_strided(
         (1, x.shape[1]) + (1,) * (ndim - 2), (0, x.stride(1)) + (0,) * (ndim - 2), offset
     )
@@ -423,7 +416,9 @@ def normalize(
     if offset is None:
         raise ValueError("normalize: an output written into the shifted copy needs its offset")
     ndim = centered.dim()
-    scale, offset = _broadcast_row(saved, 2, ndim), channel_view(offset, ndim)
+    # the scale row, saved[2], in broadcast shape: one op where a select and a view are two
+    scale = _sample_view(saved, saved.storage_offset() + 2 * saved.stride(0), ndim)
+    offset = channel_view(offset, ndim)
     if valid is None:
         return centered.mul_(scale).add_(offset)
     return torch.mul(centered, scale).addcmul_(valid, offset)
