@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from syncbn import distributed as distributed
     from syncbn import functional as functional
     from syncbn import precise as precise
+    from syncbn._masking import masking
     from syncbn.batchnorm import SyncBatchNorm
     from syncbn.convert import (
         BatchNormNd,
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "convert_sync_batchnorm",
     "create_process_group",
+    "masking",
     "recompute_statistics",
     "register_converter",
     "revert_sync_batchnorm",
@@ -52,6 +54,7 @@ _EXPORTS = {
     "SyncBatchNorm": "syncbn.batchnorm",
     "convert_sync_batchnorm": "syncbn.convert",
     "create_process_group": "syncbn.distributed",
+    "masking": "syncbn._masking",
     "recompute_statistics": "syncbn.precise",
     "register_converter": "syncbn.convert",
     "revert_sync_batchnorm": "syncbn.convert",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _compiled, _composite, _conversion, distributed
+from syncbn import _compiled, _composite, _conversion, _masking, distributed
 from syncbn._autograd import (
     LocalReducer,
     first_given,
@@ -240,6 +240,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
         compiling = _compiled.is_compiling()
+        if mask is None:  # the mask of an enclosing syncbn.masking block, if any
+            mask = _masking.layer_mask(self, compiling)
         if not compiling and isinstance(input, torch.Tensor):  # (else: refused in its path)
             # a side effect dynamo refuses inside checkpointing; a plain attribute, set past
             # torch.nn.Module.__setattr__ (microseconds per call, looking for a parameter,

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from syncbn import _protocol
+from syncbn import _masking, _protocol
 from syncbn._autograd import (
     LayerInfo,
     LocalReducer,
@@ -50,7 +50,7 @@ from syncbn._autograd import (
     input_problem,
     sync_batch_norm_train,
 )
-from syncbn._compiled import leaf_call_when_fx_traced
+from syncbn._compiled import is_compiling, leaf_call_when_fx_traced
 from syncbn._composite import batch_norm_valid, mask_problem
 from syncbn._conversion import (
     batchnorm_twin,
@@ -138,6 +138,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
         traced = leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
+        if mask is None:  # the mask of an enclosing syncbn.masking block, if any
+            mask = _masking.layer_mask(self, is_compiling())
         rendezvous = self._replica_sync
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
             # Not a replica among several, or not training: exactly torch's BatchNorm (with

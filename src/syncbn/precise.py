@@ -16,11 +16,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import TorchFunctionMode
 
-from syncbn import _composite, _protocol, _stats, distributed
+from syncbn import _composite, _masking, _protocol, _stats, distributed
 from syncbn._kernels import kernels_for
 from syncbn.batchnorm import SyncBatchNorm
+from syncbn.data_parallel import _SynchronizedBatchNorm
 
 __all__ = ["recompute_statistics"]
+
+#: the layers that take a syncbn.masking block's mask when they are passed none
+_TAKE_BLOCK_MASKS = (SyncBatchNorm, _SynchronizedBatchNorm)
 
 
 class _LayerState(NamedTuple):
@@ -39,7 +43,7 @@ def _record_moments(
     then normalizes with: the output of training mode, without communicating and without
     updating anything. A batch of one sample per channel (or none) is valid here, since only
     the moments summed over all batches and ranks matter. A synchronized layer called with a
-    mask counts its valid positions only.
+    mask, or in a :class:`syncbn.masking` block, counts its valid positions only.
     """
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -53,8 +57,11 @@ def _record_moments(
                 "whose dimension 1 is not its channels; a forward that transposes its input "
                 "before normalizing it is not supported"
             )
-        # a synchronized layer's mask of valid positions (padded batches), if the model gives one
+        # a synchronized layer's mask of valid positions (padded batches), if the model gives
+        # one, or its syncbn.masking block's (torch's own layers ignore a block)
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        if mask is None and isinstance(layer, _TAKE_BLOCK_MASKS):
+            mask = _masking.block_mask()
         valid = None
         count = input.numel() // input.shape[1]
         if mask is not None:

@@ -1,0 +1,201 @@
+"""``syncbn.masking``: a mask of valid positions for the layers called inside a ``with`` block.
+
+A model whose BatchNorm layers sit in an ``nn.Sequential``, or behind a ``forward`` that
+takes no mask (torchaudio's and most Conformer convolution modules), cannot pass
+``layer(input, mask)`` to them. Inside ``with syncbn.masking(mask):`` every syncbn layer
+called *without* a mask takes this one, exactly as if it had been passed.
+
+The block's mask is thread-local, like ``torch.autocast``'s state: it reaches the layers
+that the entering thread calls. A layer called in another thread while a block is open
+somewhere (``torch.nn.DataParallel`` runs its replicas in threads) raises rather than
+run unmasked. A forward that activation checkpointing recomputes in backward must find
+the block its first run found: ``backward`` inside the block, or a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from syncbn._autograd import is_recomputing, is_tracing
+
+__all__ = ["block_mask", "layer_mask", "masking"]
+
+#: the mask of the innermost open block of each thread (a tensor, or ``None`` for a
+#: ``masking(None)`` block); unset, or ``_UNSET``, in a thread with no block open
+_state = threading.local()
+#: how many blocks are open in all threads together
+_open_blocks = 0
+_open_blocks_lock = threading.Lock()
+_UNSET: Any = object()
+#: the attribute of a layer that remembers the block mask of its latest eager call
+_REMEMBERED = "_syncbn_block_mask"
+
+
+class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):`
+    r"""A mask of valid positions for every syncbn layer called inside the ``with`` block.
+
+    ``SyncBatchNorm`` (and :mod:`syncbn.data_parallel`'s layers) called without a mask
+    inside the block take ``mask``, as ``layer(input, mask)`` would: the statistics of the
+    valid positions of all ranks, zeros at padded positions. A mask passed to a layer
+    wins over the block's. Blocks nest (the innermost one applies), and
+    ``masking(None)`` opens a block in which layers run without a mask.
+
+    For models that cannot pass a mask to their layers: BatchNorm in an
+    ``nn.Sequential``, or behind a ``forward(x)`` of someone else's module. The layers
+    must be syncbn's (convert the model first); torch's BatchNorm ignores the block.
+
+    .. note::
+        The block belongs to the thread that opens it, like ``torch.autocast``. A syncbn
+        layer called in another thread while a block is open (``torch.nn.DataParallel``
+        runs its replicas in threads) raises a ``RuntimeError`` instead of running
+        unmasked: pass the mask to such layers, or open a block (``masking(None)`` for no
+        mask) in the thread that calls them.
+
+    .. note::
+        With activation checkpointing (eager mode), a forward recomputed in backward
+        takes the mask of the block open then: call ``backward`` inside the block. A
+        recomputation that finds another block, or none where the first forward had
+        one, raises a ``RuntimeError``. Under ``torch.compile``, the mask is read while
+        tracing and becomes an input of the graph (a new mask each step recompiles
+        nothing); recomputation inside the graph reuses it.
+
+    Args:
+        mask: bool, True at valid positions, of a layer input's shape without the channel
+            dimension (``(N, L)`` for ``(N, C, L)``) or broadcastable to it; or ``None``.
+            Every layer called in the block gets it, so their inputs must share that
+            shape; the mask is checked at each layer, as a passed one is.
+
+    Examples::
+
+        >>> block = nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), nn.BatchNorm1d(8), nn.SiLU())
+        >>> block = syncbn.convert_sync_batchnorm(block)
+        >>> x = torch.randn(4, 8, 50)  # (N, C, T), padded
+        >>> lengths = torch.tensor([50, 42, 17, 33])
+        >>> valid = torch.arange(50) < lengths[:, None]  # (N, T)
+        >>> with syncbn.masking(valid):
+        ...     y = block(x)
+        ...     y.sum().backward()
+    """
+
+    __slots__ = ("_mask", "_previous")
+
+    def __init__(self, mask: torch.Tensor | None) -> None:
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise TypeError(
+                f"syncbn.masking: expected mask to be a torch.Tensor or None, "
+                f"got {type(mask).__name__}"
+            )
+        self._mask = mask
+        self._previous: Any = _UNSET
+
+    def __enter__(self) -> masking:
+        self._previous = getattr(_state, "mask", _UNSET)
+        _state.mask = self._mask
+        if not is_tracing():  # a block opened in compiled code counts for its own thread only
+            _count_open_blocks(1)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _state.mask = self._previous  # not `del`: dynamo traces an assignment only
+        self._previous = _UNSET
+        if not is_tracing():
+            _count_open_blocks(-1)
+
+
+def _count_open_blocks(change: int) -> None:
+    global _open_blocks
+    with _open_blocks_lock:
+        _open_blocks += change
+
+
+def block_mask() -> torch.Tensor | None:
+    """The mask of this thread's innermost block; ``None`` in a ``masking(None)`` block or
+    where no block is open anywhere. Raises where a block is open in another thread only."""
+    mask = getattr(_state, "mask", _UNSET)
+    if mask is not _UNSET:
+        return mask  # type: ignore[no-any-return]
+    if _open_blocks:
+        raise RuntimeError(
+            "a syncbn.masking block is open in another thread, and this SyncBatchNorm layer, "
+            "called without a mask in a thread with no block of its own, would run unmasked "
+            "(torch.nn.DataParallel runs its replicas in threads that do not see the block): "
+            "pass the mask to the layer, or open a syncbn.masking block in this thread "
+            "(masking(None) for no mask)"
+        )
+    return None
+
+
+def _is_exporting() -> bool:
+    """True while torch.export traces (where torch has ``torch.compiler.is_exporting``)."""
+    check = getattr(torch.compiler, "is_exporting", None)
+    return check is not None and bool(check())
+
+
+def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
+    """The mask of a layer call that was passed none: its thread's block's, or ``None``.
+
+    Eager calls remember the block's mask (weakly, on the layer), so that a forward that
+    activation checkpointing recomputes in backward can tell whether it found the block
+    that the layer's latest forward found (see :class:`masking`). Where no block is open
+    and the layer's latest call had none, this is two reads.
+
+    Args:
+        compiling: dynamo is tracing (the mask becomes a graph input; nothing remembered).
+    """
+    if compiling:
+        mask = block_mask()
+        if mask is not None and _is_exporting():
+            raise RuntimeError(
+                "syncbn.masking: torch.export would keep the block's mask in the exported "
+                "program as a constant, applied to every input; export a model that passes "
+                "the mask to its layers (layer(input, mask)), which makes it an input"
+            )
+        return mask
+    remembered = layer.__dict__.get(_REMEMBERED)
+    if not _open_blocks and remembered is None:
+        return None
+    mask = block_mask()
+    if is_recomputing():
+        first = None if remembered is None else remembered()
+        if first is not mask:
+            if first is None:
+                found = "a syncbn.masking block is open, but its first forward ran in none"
+            elif mask is None:
+                found = "no syncbn.masking block is open, but its first forward ran in one"
+            else:
+                found = "the syncbn.masking block open has another mask than its first forward's"
+            raise RuntimeError(
+                f"{type(layer).__name__}: activation checkpointing recomputes this layer's "
+                f"forward in backward, where {found}: call backward inside the block of the "
+                "forward, or pass the mask to the layer"
+            )
+        return mask
+    # a plain attribute, past torch.nn.Module.__setattr__ (as last_input_dim)
+    layer.__dict__[_REMEMBERED] = None if mask is None else _Remembered(mask)
+    return mask
+
+
+class _Remembered:
+    """A weak reference to the block mask of a layer's latest call, which a pickled or
+    deep-copied layer forgets (a weak reference cannot be pickled: ``torch.save(model)``)."""
+
+    __slots__ = ("_reference",)
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self._reference = weakref.ref(mask)
+
+    def __call__(self) -> torch.Tensor | None:
+        return self._reference()
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return _forgotten, ()
+
+
+def _forgotten() -> None:
+    """What an unpickled :class:`_Remembered` is."""
+    return None
