@@ -48,7 +48,9 @@ def run_launcher(command: list[str], cwd: Path, env: dict[str, str], timeout: fl
     with subprocess.Popen(
         command,
         cwd=cwd,
-        env=env,
+        # the launchers' temporary folders (torchrun's torchelastic_*, which it leaves
+        # behind) in the test's own folder, which pytest removes
+        env=dict(env, TMPDIR=str(cwd)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

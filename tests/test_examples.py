@@ -40,8 +40,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _env(tmp_path: Path) -> dict[str, str]:
+    # TMPDIR: torchrun's agent makes a temporary folder per launch (torchelastic_*), which
+    # it leaves behind; in the test's own folder, pytest removes it
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     if loopback:  # gloo binds this interface instead of the one the hostname resolves to
         env["GLOO_SOCKET_IFNAME"] = loopback[0]
@@ -67,7 +69,7 @@ def _launch(tmp_path: Path, *commands: list[str]) -> str:
                     subprocess.Popen(
                         command,
                         cwd=ROOT,
-                        env=_env(),
+                        env=_env(tmp_path),
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # its own process group, to kill the workers too
