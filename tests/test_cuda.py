@@ -21,6 +21,7 @@ from _harness import WorkerPool
 from test_data_parallel import one_device_matches_batchnorm
 from test_kernels_cuda import counted_cuda_ops, expected_calls
 from test_masked import MaskedCase, _assert_matches, _run_masked
+from test_masking import _run_in_block
 from torch import nn
 
 import syncbn
@@ -390,3 +391,15 @@ def test_fused_kernels_masked_calls_match_the_gathered_reference(
     """The same masked calls on syncbn._kernels.cuda (its fused input-gradient pass)."""
     case = MASKED[name]
     _assert_matches(case, pool2.run(_with_fused_kernels, _run_masked, case, timeout=240.0))
+
+
+@pytest.mark.parametrize("wrap", ["", "compile"], ids=["eager", "inductor"])
+@pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
+def test_a_masking_block_on_cuda_matches_the_gathered_reference(
+    pool2: WorkerPool, wrap: str
+) -> None:
+    """syncbn.masking's mask reaches a layer in an nn.Sequential on CUDA (deferred checks;
+    compiled: the block's mask a graph input), as the gold reference has it."""
+    mode = "inductor" if wrap else "eager"
+    case = MaskedCase(sizes=(4, 3), valid=(0.6, 0.8), device="cuda", mode=mode)
+    _assert_matches(case, pool2.run(_run_in_block, case, wrap, timeout=240.0))

@@ -33,10 +33,11 @@ def _sequential(case: MaskedCase) -> nn.Sequential:
 def _run_in_block(
     rank: int, world_size: int, case: MaskedCase, wrap: str = "", checkpoint: bool = False
 ) -> dict[str, Any]:
-    """The gold test's steps, each in ``with syncbn.masking(mask):``; ``wrap``: ``"ddp"``
-    (DistributedDataParallel) or ``"compile"`` (``case.mode`` is the backend)."""
+    """The gold test's steps, each in ``with syncbn.masking(mask):``, on ``case.device``
+    (tests/test_cuda.py runs them on "cuda"); ``wrap``: ``"ddp"`` (DistributedDataParallel)
+    or ``"compile"`` (``case.mode`` is the backend)."""
     torch._dynamo.reset()
-    model = _sequential(case)
+    model = _sequential(case).to(case.device)
     run: Any = model
     if wrap == "ddp":
         run = nn.parallel.DistributedDataParallel(model)
@@ -44,7 +45,7 @@ def _run_in_block(
         run = torch.compile(model, fullgraph=True, backend=case.mode)
     records = []
     for step in range(case.steps):
-        x, mask, grad = case.data(rank, step)
+        x, mask, grad = (t.to(case.device) for t in case.data(rank, step))
         x.requires_grad_()
         with syncbn.masking(mask):
             if checkpoint:
@@ -55,14 +56,16 @@ def _run_in_block(
         bn = cast(syncbn.SyncBatchNorm, model[0])
         records.append(
             {
-                "output": y.detach(),
-                "grad_input": x.grad,
-                "grad_weight": bn.weight.grad.clone(),  # type: ignore[union-attr]
-                "grad_bias": bn.bias.grad.clone(),  # type: ignore[union-attr]
+                "output": y.detach().cpu(),
+                "grad_input": x.grad.cpu(),  # type: ignore[union-attr]
+                "grad_weight": bn.weight.grad.cpu(),  # type: ignore[union-attr]
+                "grad_bias": bn.bias.grad.cpu(),  # type: ignore[union-attr]
             }
         )
         model.zero_grad()
-    return {"steps": records, "state": dict(model[0].state_dict())}
+    if case.device != "cpu":
+        syncbn._protocol.raise_deferred(wait=True)  # a deferred problem fails the scenario
+    return {"steps": records, "state": {k: v.cpu() for k, v in model[0].state_dict().items()}}
 
 
 # ---------------------------------------------------------------- one process, no group
