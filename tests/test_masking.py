@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.utils.checkpoint
-from _harness import WorkerPool
+from _harness import WorkerPool, outcome
 from test_masked import _COMPILE, MaskedCase, _assert_matches, _layer, _valid_rows
 from torch import nn
 
@@ -335,3 +335,21 @@ def test_under_ddp_with_checkpointing(pool2: WorkerPool) -> None:
 def test_compiled_on_two_ranks(pool2: WorkerPool) -> None:
     case = MaskedCase(sizes=(4, 3), valid=(0.6, 0.8), mode="aot_eager", steps=3)
     _assert_matches(case, pool2.run(_run_in_block, case, "compile"))
+
+
+def _recompute_outside_the_block_on_rank_0(rank: int, world_size: int) -> tuple[str, str]:
+    """Checkpointed training on every rank; rank 0 alone forwards in a block and calls
+    backward outside it, so that its recomputation refuses to run."""
+    case = MaskedCase(sizes=(4, 3), valid=(0.6, 0.8))
+    x, mask, grad = case.data(rank, 0)
+    model = _sequential(case)
+    xi = x.nan_to_num().requires_grad_()
+    with syncbn.masking(mask if rank == 0 else None):
+        y = torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=False)
+    return outcome(y.backward, grad.nan_to_num())
+
+
+def test_a_refused_recomputation_on_one_rank_raises_on_every_rank(pool2: WorkerPool) -> None:
+    rank0, rank1 = pool2.run(_recompute_outside_the_block_on_rank_0, timeout=40.0)
+    assert rank0[0] == "RuntimeError" and "no syncbn.masking block is open" in rank0[1], rank0
+    assert rank1[0] == "RuntimeError" and "other rank(s) failed" in rank1[1], rank1

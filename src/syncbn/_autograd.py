@@ -52,6 +52,7 @@ __all__ = [
     "is_recomputing",
     "is_tracing",
     "join_on_error",
+    "join_with_error",
     "mismatched_parameter",
     "reduce_forward",
     "reducer_for",
@@ -330,7 +331,7 @@ class TrainOptions(NamedTuple):
         )
 
 
-def _join_with_error(options: TrainOptions, phase: str, device: torch.device) -> None:
+def join_with_error(options: TrainOptions, phase: str, device: torch.device) -> None:
     """Join ``phase``'s collective with the error flag set, so that no other rank waits.
 
     Called while an exception is propagating; a failure of the collective itself (peers
@@ -370,7 +371,7 @@ class join_on_error:  # noqa: N801 - used like a function: `with join_on_error(.
 
     def __exit__(self, kind: type[BaseException] | None, error: Any, traceback: Any) -> None:
         if self.enabled and kind is not None and issubclass(kind, Exception):
-            _join_with_error(self.options, self.phase, self.device)
+            join_with_error(self.options, self.phase, self.device)
         # returning None re-raises the exception
 
 

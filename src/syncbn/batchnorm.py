@@ -16,6 +16,7 @@ from syncbn._autograd import (
     first_given,
     input_problem,
     is_recomputing,
+    join_with_error,
     sync_batch_norm_train,
 )
 from syncbn._layer_identity import LayerIdentity
@@ -241,7 +242,11 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             return traced  # type: ignore[no-any-return]
         compiling = _compiled.is_compiling()
         if mask is None:  # the mask of an enclosing syncbn.masking block, if any
-            mask = _masking.layer_mask(self, compiling)
+            try:
+                mask = _masking.layer_mask(self, compiling)
+            except RuntimeError:
+                self._join_forward_with_error(input, compiling)
+                raise
         if not compiling and isinstance(input, torch.Tensor):  # (else: refused in its path)
             # a side effect dynamo refuses inside checkpointing; a plain attribute, set past
             # torch.nn.Module.__setattr__ (microseconds per call, looking for a parameter,
@@ -278,6 +283,20 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             site=self._site,
             ordered=synchronized,
         )
+
+    def _join_forward_with_error(self, input: torch.Tensor, compiling: bool) -> None:
+        """A synchronized training call that fails before it reaches its collective (its
+        block's mask refused) joins the collective with the error flag, so that the other
+        ranks raise too instead of waiting, as for an invalid input."""
+        synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
+        if compiling or not self.training or not synchronized:
+            return
+        per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
+        if per_channel is not None:
+            device = per_channel.device
+        else:
+            device = input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
+        join_with_error(self.next_train_options(), "forward", device)
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Eval never communicates: exactly torch's BatchNorm (padded positions zero)."""
