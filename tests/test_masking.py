@@ -283,7 +283,13 @@ def test_under_compile_a_new_mask_each_step_compiles_nothing_new(training: bool)
     torch.testing.assert_close(layer.running_var, twin.running_var, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+#: dynamo traces a user-defined context manager: torch 2.6 does, 2.4 refuses one
+_BLOCKS_IN_COMPILED_CODE = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
+
+
+@pytest.mark.skipif(
+    not _BLOCKS_IN_COMPILED_CODE, reason="dynamo traces a user-defined `with` from torch 2.6"
+)
 def test_a_block_opened_inside_compiled_code() -> None:
     torch._dynamo.reset()
     case = MaskedCase(sizes=(5,), valid=(0.6,))
@@ -313,8 +319,8 @@ def test_torch_export_refuses_to_keep_a_blocks_mask_as_a_constant() -> None:
     layer = syncbn.SyncBatchNorm(3).eval()
     x, mask = torch.randn(4, 3, 6), torch.rand(4, 6) < 0.6
     with syncbn.masking(mask), pytest.raises(RuntimeError, match="as a constant"):
-        torch.export.export(layer, (x,))
-    exported = torch.export.export(layer, (x, mask))  # the mask as an input: fine
+        torch.export.export(layer, (x,), strict=False)
+    exported = torch.export.export(layer, (x, mask), strict=False)  # the mask an input: fine
     torch.testing.assert_close(exported.module()(x, mask), layer(x, mask))
 
 

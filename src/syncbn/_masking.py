@@ -62,7 +62,10 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         recomputation that finds another block, or none where the first forward had
         one, raises a ``RuntimeError``. Under ``torch.compile``, the mask is read while
         tracing and becomes an input of the graph (a new mask each step recompiles
-        nothing); recomputation inside the graph reuses it.
+        nothing); recomputation inside the graph reuses it. A block may be opened inside
+        the compiled function with torch >= 2.6 (torch 2.4's dynamo refuses a user-defined
+        ``with``). ``torch.export`` (``strict=False``) refuses a block's mask, which it
+        would keep in the program as a constant.
 
     Args:
         mask: bool, True at valid positions, of a layer input's shape without the channel
@@ -131,9 +134,15 @@ def block_mask() -> torch.Tensor | None:
 
 
 def _is_exporting() -> bool:
-    """True while torch.export traces (where torch has ``torch.compiler.is_exporting``)."""
-    check = getattr(torch.compiler, "is_exporting", None)
-    return check is not None and bool(check())
+    """True while torch.export traces without dynamo (``strict=False``, the default of recent
+    torch), which runs this code with fake tensors. Under dynamo, torch 2.8-2.11 answer
+    ``is_exporting()`` with True for ``torch.compile`` too, so strict export is not told
+    apart from it; a torch without these functions never exports here."""
+    exporting = getattr(torch.compiler, "is_exporting", None)
+    dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None)
+    if exporting is None or dynamo_compiling is None or dynamo_compiling():
+        return False
+    return bool(exporting())
 
 
 def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
