@@ -237,6 +237,31 @@ def test_checkpointing_recomputes_with_the_blocks_mask(use_reentrant: bool) -> N
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_checkpointed_function_may_build_its_mask_and_open_the_block_itself() -> None:
+    case = MaskedCase(sizes=(5,), valid=(0.6,))
+    x, mask, grad = case.data(0, 0)
+    lengths = mask.sum(1)  # the mask, built again from the lengths at each run
+
+    def segment(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(x.shape[-1]) < lengths[:, None]
+        with syncbn.masking(valid):
+            return model(x)  # type: ignore[no-any-return]
+
+    results = []
+    for checkpointed in (True, False):
+        model = _sequential(case)
+        xi = x.nan_to_num().requires_grad_()
+        if checkpointed:
+            y = torch.utils.checkpoint.checkpoint(segment, model, xi, use_reentrant=False)
+        else:
+            y = segment(model, xi)
+        y.backward(grad.nan_to_num())  # outside any block
+        bn = model[0]
+        results.append([y, xi.grad, bn.weight.grad, bn.bias.grad, *bn.state_dict().values()])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_a_recomputation_outside_the_block_is_a_clear_error() -> None:
     case = MaskedCase(sizes=(5,), valid=(0.6,))
     x, mask, grad = case.data(0, 0)
@@ -252,6 +277,14 @@ def test_a_recomputation_outside_the_block_is_a_clear_error() -> None:
     with (
         syncbn.masking(mask),
         pytest.raises(RuntimeError, match="but its first forward ran in none"),
+    ):
+        y.backward(grad.nan_to_num())
+    # a block of another mask's shape than the forward's (it would broadcast)
+    with syncbn.masking(mask):
+        y = torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=False)
+    with (
+        syncbn.masking(mask[:1]),
+        pytest.raises(RuntimeError, match="mask has another shape than its first forward's"),
     ):
         y.backward(grad.nan_to_num())
 

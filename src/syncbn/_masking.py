@@ -58,14 +58,17 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
 
     .. note::
         With activation checkpointing (eager mode), a forward recomputed in backward
-        takes the mask of the block open then: call ``backward`` inside the block. A
-        recomputation that finds another block, or none where the first forward had
-        one, raises a ``RuntimeError``. Under ``torch.compile``, the mask is read while
-        tracing and becomes an input of the graph (a new mask each step recompiles
-        nothing); recomputation inside the graph reuses it. A block may be opened inside
-        the compiled function with torch >= 2.6 (torch 2.4's dynamo refuses a user-defined
-        ``with``). ``torch.export`` (``strict=False``) refuses a block's mask, which it
-        would keep in the program as a constant.
+        takes the mask of the block open then: call ``backward`` inside the block (or
+        open it inside the checkpointed function). A recomputation that finds no block
+        where the layer's latest forward had one, a block where it had none, or a mask
+        of another shape or device, raises a ``RuntimeError``; a mask of the same shape
+        is taken as the forward's (its values are not read back from the device).
+        Under ``torch.compile``, the mask is read while tracing and becomes an input of
+        the graph (a new mask each step recompiles nothing); recomputation inside the
+        graph reuses it. A block may be opened inside the compiled function with torch
+        >= 2.6 (torch 2.4's dynamo refuses a user-defined ``with``). ``torch.export``
+        (``strict=False``) refuses a block's mask, which it would keep in the program as
+        a constant.
 
     Args:
         mask: bool, True at valid positions, of a layer input's shape without the channel
@@ -170,36 +173,44 @@ def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
         return None
     mask = block_mask()
     if is_recomputing():
-        first = None if remembered is None else remembered()
-        if first is not mask:
-            if first is None:
-                found = "a syncbn.masking block is open, but its first forward ran in none"
-            elif mask is None:
-                found = "no syncbn.masking block is open, but its first forward ran in one"
-            else:
-                found = "the syncbn.masking block open has another mask than its first forward's"
-            raise RuntimeError(
-                f"{type(layer).__name__}: activation checkpointing recomputes this layer's "
-                f"forward in backward, where {found}: call backward inside the block of the "
-                "forward, or pass the mask to the layer"
-            )
-        return mask
+        if remembered is not None and mask is not None:
+            if remembered.matches(mask):
+                return mask
+            found = "the open block's mask has another shape than its first forward's"
+        elif remembered is not None:
+            found = "no syncbn.masking block is open, but its first forward ran in one"
+        elif mask is not None:
+            found = "a syncbn.masking block is open, but its first forward ran in none"
+        else:
+            return None
+        raise RuntimeError(
+            f"{type(layer).__name__}: activation checkpointing recomputes this layer's "
+            f"forward in backward, where {found}: call backward inside the block of the "
+            "forward, or pass the mask to the layer"
+        )
     # a plain attribute, past torch.nn.Module.__setattr__ (as last_input_dim)
     layer.__dict__[_REMEMBERED] = None if mask is None else _Remembered(mask)
     return mask
 
 
 class _Remembered:
-    """A weak reference to the block mask of a layer's latest call, which a pickled or
-    deep-copied layer forgets (a weak reference cannot be pickled: ``torch.save(model)``)."""
+    """The block mask of a layer's latest call: a weak reference, and its shape and device
+    (a mask that a checkpointed function builds again is another tensor of the same
+    values). A pickled or deep-copied layer forgets it (a weak reference cannot be
+    pickled: ``torch.save(model)``)."""
 
-    __slots__ = ("_reference",)
+    __slots__ = ("_reference", "_shape", "_device")
 
     def __init__(self, mask: torch.Tensor) -> None:
         self._reference = weakref.ref(mask)
+        self._shape, self._device = mask.shape, mask.device
 
-    def __call__(self) -> torch.Tensor | None:
-        return self._reference()
+    def matches(self, mask: torch.Tensor) -> bool:
+        """Whether ``mask`` is the remembered one, or one of its shape on its device (its
+        values are not compared: that would read them back from an accelerator)."""
+        if self._reference() is mask:
+            return True
+        return mask.shape == self._shape and mask.device == self._device
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return _forgotten, ()
