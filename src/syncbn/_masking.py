@@ -9,7 +9,8 @@ The block's mask is thread-local, like ``torch.autocast``'s state: it reaches th
 that the entering thread calls. A layer called in another thread while a block is open
 somewhere (``torch.nn.DataParallel`` runs its replicas in threads) raises rather than
 run unmasked. A forward that activation checkpointing recomputes in backward must find
-the block its first run found: ``backward`` inside the block, or a clear error.
+a block (with a mask of the same shape) where its first run found one, and none where it
+found none: ``backward`` inside the block, or a clear error.
 """
 
 from __future__ import annotations
