@@ -290,6 +290,36 @@ def test_a_recomputation_outside_the_block_is_a_clear_error() -> None:
 
 
 @pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
+def test_six_batch_sizes_in_blocks_compile_as_often_as_with_passed_masks() -> None:
+    """Issue 20's recompile budget: a first graph, one with dynamic sizes, one for an empty
+    batch (3 graphs, 2 recompiles), with the block as with a mask passed to the layer."""
+    counts = []
+    for in_block in (True, False):
+        graphs = []
+
+        def counting(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs.append(graph)  # noqa: B023 - used while this iteration runs
+            return graph.forward
+
+        torch._dynamo.reset()
+        layer, twin = syncbn.SyncBatchNorm(3).double(), syncbn.SyncBatchNorm(3).double()
+        compiled = torch.compile(layer, fullgraph=True, backend=counting)
+        torch.manual_seed(0)
+        for size in (5, 3, 7, 0, 2, 9):
+            x = torch.randn(size, 3, 6, dtype=torch.float64)
+            mask = torch.rand(size, 6) < 0.6
+            mask[:1, :2] = True
+            if in_block:
+                with syncbn.masking(mask):
+                    y = compiled(x)
+            else:
+                y = compiled(x, mask)
+            torch.testing.assert_close(y, twin(x, mask), rtol=1e-12, atol=1e-12)
+        counts.append(len(graphs))
+    assert counts[0] == counts[1] <= 3, counts
+
+
+@pytest.mark.skipif(not _COMPILE, reason="fullgraph compile needs torch >= 2.4")
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_under_compile_a_new_mask_each_step_compiles_nothing_new(training: bool) -> None:
     graphs = []
