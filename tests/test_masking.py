@@ -107,18 +107,19 @@ def test_blocks_nest_a_passed_mask_wins_and_masking_none_unmasks() -> None:
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     outer, inner = torch.rand(4, 6) < 0.5, torch.rand(4, 6) < 0.7
     outer[0, 0] = inner[0, 0] = outer[1, 1] = inner[1, 1] = True  # more than 1 valid value
+    # each mask's result, computed outside any block
+    with_outer, with_inner = layer(x, outer), layer(x, inner)
+    unmasked = torch.nn.functional.batch_norm(x, None, None, training=True)
+    assert not torch.equal(with_outer, with_inner)
     with syncbn.masking(outer):
-        assert torch.equal(layer(x), layer(x, outer))
+        assert torch.equal(layer(x), with_outer)
         with syncbn.masking(inner):
-            assert torch.equal(layer(x), layer(x, inner))
-            assert torch.equal(layer(x, outer), layer(x, outer))  # the passed mask
-            assert not torch.equal(layer(x, outer), layer(x))
-        assert torch.equal(layer(x), layer(x, outer))  # the outer block again
+            assert torch.equal(layer(x), with_inner)  # the innermost block
+            assert torch.equal(layer(x, outer), with_outer)  # a passed mask wins
+        assert torch.equal(layer(x), with_outer)  # the outer block again
         with syncbn.masking(None):
-            assert torch.equal(
-                layer(x), torch.nn.functional.batch_norm(x, None, None, training=True)
-            )
-    assert torch.equal(layer(x), torch.nn.functional.batch_norm(x, None, None, training=True))
+            assert torch.equal(layer(x), unmasked)
+    assert torch.equal(layer(x), unmasked)  # every block closed
 
 
 def test_a_data_parallel_layer_takes_the_blocks_mask() -> None:
