@@ -43,6 +43,7 @@ __all__ = [
     "TrainOptions",
     "backward_input",
     "backward_train",
+    "collective_device",
     "count_divisors",
     "counted_update",
     "double_backward_error",
@@ -405,6 +406,16 @@ def first_given(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return None
 
 
+def collective_device(input: Any, *per_channel: torch.Tensor | None) -> torch.device:
+    """The device of a call's collective buffers: where the layer's per-channel tensors
+    live (and so the other ranks' buffers), else the input's, else, where no tensor tells,
+    the CPU (gloo's), so that the error flag still joins."""
+    tensor = first_given(*per_channel)
+    if tensor is not None:
+        return tensor.device
+    return input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
+
+
 def resolve_mode(options: TrainOptions, device: torch.device) -> str:
     """This call's check mode; first raises a deferred problem of an earlier call, if any.
 
@@ -560,14 +571,7 @@ def forward_train(
         mask: bool, True at the valid positions (the input's shape without the channel
             dimension, or broadcastable to it), or ``None``. See :attr:`ForwardResult.valid`.
     """
-    # where the layer's parameters live, and so the other ranks' buffers
-    per_channel = first_given(weight, bias, running_mean, running_var)
-    if per_channel is not None:
-        device = per_channel.device
-    elif isinstance(input, torch.Tensor):
-        device = input.device
-    else:  # no tensor tells: the CPU (gloo's), so that the error flag still joins
-        device = torch.device("cpu")
+    device = collective_device(input, weight, bias, running_mean, running_var)
     num_channels = options.layer.num_features
     valid = None
     # outside join_on_error: see resolve_mode

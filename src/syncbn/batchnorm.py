@@ -13,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn import _compiled, _composite, _conversion, _masking, distributed
 from syncbn._autograd import (
     LocalReducer,
+    collective_device,
     first_given,
     input_problem,
     is_recomputing,
@@ -291,11 +292,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
         if compiling or not self.training or not synchronized:
             return
-        per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
-        if per_channel is not None:
-            device = per_channel.device
-        else:
-            device = input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
+        parameters = (self.weight, self.bias, self.running_mean, self.running_var)
+        device = collective_device(input, *parameters)
         join_with_error(self.next_train_options(), "forward", device)
 
     def _eval_forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
