@@ -1,14 +1,16 @@
 """Converted models leave training through torch's deployment and functional tools.
 
 A model trained with SyncBatchNorm layers is exported as it is, without reverting them
-first: ``torch.export`` (eval mode, and train mode without a process group), and
-``torch.func``'s ``functional_call`` and ``vmap``. Each gives what the eager layer
-gives, which in eval mode (and without a process group) is torch's BatchNorm.
+first: ``torch.export`` (eval mode, and train mode without a process group),
+``torch.jit.trace`` (eval mode), and ``torch.func``'s ``functional_call`` and ``vmap``
+(ONNX: ``test_integrations_onnx.py``). Each gives what the eager layer gives, which in eval
+mode (and without a process group) is torch's BatchNorm.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -69,6 +71,26 @@ def test_torch_export_of_a_converted_model_equals_batchnorm(mode: str) -> None:
             # the module path; torch 2.1's export flattened it ("L__self___norm_running_mean")
             key = f"norm.{name}" if f"norm.{name}" in state else f"L__self___norm_{name}"
             torch.testing.assert_close(state[key], getattr(reference.norm, name))
+
+
+# TorchScript is deprecated from torch 2.13 on (its calls warn so); the tracer also notes
+# each of the layer's shape checks as a value it cannot follow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_of_an_eval_model_equals_batchnorm() -> None:
+    """TorchScript by tracing (TorchServe and C++ deployments load it): eval mode records
+    BatchNorm's op, which holds for another batch size, and the trace saves and loads."""
+    reference, converted = _trained_pair()
+    reference.eval()
+    converted.eval()
+    x, _ = _inputs(1)
+    traced = torch.jit.trace(converted, (x,))
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    other = torch.randn(9, 3, 10) * 2 + 1
+    for module in (traced, loaded):
+        torch.testing.assert_close(module(other), reference(other))
 
 
 def _masked_reference(block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
