@@ -19,6 +19,7 @@ import torch.distributed as dist
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from test_data_parallel import one_device_matches_batchnorm
+from test_ddp import _max_error, _train_ddp, _train_reference
 from test_kernels_cuda import counted_cuda_ops, expected_calls
 from test_masked import MaskedCase, _assert_matches, _run_masked
 from test_masking import _run_in_block
@@ -359,6 +360,17 @@ def test_fullgraph_compile_on_cuda_equals_eager(pool2: WorkerPool, mode: str) ->
     for result in pool2.run(_compiled_cuda, mode, timeout=300.0):
         for key, value in result["eager"].items():
             torch.testing.assert_close(result["compiled"][key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(360)  # the scenario's own bound plus the pool's start
+def test_compiled_ddp_on_cuda_through_gloo_equals_the_global_batch(pool2: WorkerPool) -> None:
+    """``torch.compile`` (inductor: Triton kernels) of a DDP-wrapped float64 model on the
+    GPU, two ranks through gloo with CUDA tensors, uneven local batches: DDP's bucket
+    all_reduces between syncbn's, the model state that of one process on the global batch
+    (tests/test_ddp.py's scenario and reference, on the CPU)."""
+    options = {"compile": "inductor", "device": "cuda"}
+    states = pool2.run(_train_ddp, (3, 1), options, timeout=300.0)
+    _max_error(states, _train_reference((3, 1), {}))
 
 
 MASKED = {

@@ -75,7 +75,9 @@ def _train_ddp(
     rank: int, world_size: int, sizes: tuple[int, ...], options: dict[str, Any]
 ) -> dict[str, Any]:
     micro = options.get("micro", 1)
+    device = torch.device(options.get("device", "cpu"))  # "cuda": tests/test_cuda.py
     model = syncbn.convert_sync_batchnorm(_model(options.get("checkpointing", "none")))
+    model.to(device)
     with _dynamo_flags(options):  # DDP picks its reducer when it is built
         ddp = nn.parallel.DistributedDataParallel(
             model, broadcast_buffers=options.get("broadcast_buffers", True)
@@ -88,7 +90,8 @@ def _train_ddp(
         optimizer.zero_grad()
         for index in range(micro):
             x, y = batches[step * micro + index]
-            x, y = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+            local = slice(start, start + sizes[rank])
+            x, y = x[local].to(device), y[local].to(device)
             # DDP averages gradients over ranks: scale so the average is the global-batch mean
             if backward is not None:
                 backward(x, y, world_size / total)
@@ -98,7 +101,7 @@ def _train_ddp(
             else:
                 _scaled_loss(ddp, x, y, world_size / total).backward()
         optimizer.step()
-    state: dict[str, Any] = _state(model)
+    state: dict[str, Any] = {key: value.cpu() for key, value in _state(model).items()}
     if backward is not None:
         state["compiled graphs"] = _compiled_graphs()
     return state
