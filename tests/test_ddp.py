@@ -78,9 +78,17 @@ def _train_ddp(
     device = torch.device(options.get("device", "cpu"))  # "cuda": tests/test_cuda.py
     model = syncbn.convert_sync_batchnorm(_model(options.get("checkpointing", "none")))
     model.to(device)
+    wrapped = model
+    if "compile" in options:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
+        counters.clear()
+        if options.get("inside_ddp"):  # DDP over the compiled model (Lightning's order)
+            wrapped = cast(nn.Module, torch.compile(model, backend=options["compile"]))
     with _dynamo_flags(options):  # DDP picks its reducer when it is built
         ddp = nn.parallel.DistributedDataParallel(
-            model, broadcast_buffers=options.get("broadcast_buffers", True)
+            wrapped, broadcast_buffers=options.get("broadcast_buffers", True)
         )
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     start, total = sum(sizes[:rank]), sum(sizes)
@@ -114,15 +122,15 @@ def _compiled_backward(ddp: nn.Module, options: dict[str, Any]) -> Any:
     compiled (``torch.compile(ddp)``: dynamo's DDPOptimizer, which splits the graph at
     DDP's bucket boundaries where it finds them), and backward runs eagerly, DDP's reducer
     all_reducing each bucket as its gradients are ready, between syncbn's all_reduces on
-    the same process group. With ``options["compiled_autograd"]``, the whole step is one
-    compiled function whose backward compiled autograd traces, with DDP's
-    ``python_reducer`` (its bucket all_reduces in the traced backward graph).
+    the same process group. With ``options["inside_ddp"]``, DDP wraps the compiled model
+    instead (``_train_ddp`` compiled it), backward eager alike. With
+    ``options["compiled_autograd"]``, the whole step is one compiled function whose
+    backward compiled autograd traces, with DDP's ``python_reducer`` (its bucket
+    all_reduces in the traced backward graph).
     """
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
-    counters.clear()
     backend = options["compile"]
+    if options.get("inside_ddp"):
+        return lambda x, y, scale: _scaled_loss(ddp, x, y, scale).backward()
     if not options.get("compiled_autograd"):
         compiled = cast(nn.Module, torch.compile(ddp, backend=backend))
         return lambda x, y, scale: _scaled_loss(compiled, x, y, scale).backward()
@@ -264,8 +272,12 @@ def test_fsdp2_training_matches_global_batch(
 
 @pytest.mark.parametrize(
     "options",
-    [{"compile": "inductor"}, {"compile": "aot_eager", "compiled_autograd": True}],
-    ids=["inductor", "compiled-autograd"],
+    [
+        {"compile": "inductor"},
+        {"compile": "inductor", "inside_ddp": True},
+        {"compile": "aot_eager", "compiled_autograd": True},
+    ],
+    ids=["inductor", "inductor-inside-ddp", "compiled-autograd"],
 )
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_compiled_ddp_training_matches_global_batch(
