@@ -478,19 +478,32 @@ def test_an_invalid_mask_on_one_rank_raises_on_every_rank(
     assert results[1][0] == "RuntimeError" and "1 other rank(s) failed" in results[1][1]
 
 
-def _ddp_step(rank: int, world_size: int) -> dict[str, Any]:
+def _ddp_step(rank: int, world_size: int, backend: str | None = None) -> dict[str, Any]:
+    """One masked step under DDP; with ``backend``, of ``torch.compile(ddp)`` (DDPOptimizer)."""
     model = _layer(MaskedCase(sizes=(3, 4), valid=(0.5, 0.6)))
     ddp = nn.parallel.DistributedDataParallel(model)
+    run: nn.Module = ddp
+    if backend is not None:
+        torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
+        run = cast(nn.Module, torch.compile(ddp, backend=backend))
     x, mask, grad = MaskedCase(sizes=(3, 4), valid=(0.5, 0.6)).data(rank, 0)
     x.requires_grad_()
-    ddp(x, mask).backward(grad)
+    run(x, mask).backward(grad)
     return {"grad_weight": model.bn.weight.grad, "state": model.bn.state_dict()}
 
 
-def test_under_ddp_the_gradients_are_those_of_the_gathered_batch(pool2: WorkerPool) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [None, pytest.param("inductor", marks=pytest.mark.skipif(not _COMPILE, reason="torch < 2.4"))],
+    ids=["eager", "inductor"],
+)
+@pytest.mark.timeout(240)  # an inductor compile per rank, on two cores
+def test_under_ddp_the_gradients_are_those_of_the_gathered_batch(
+    pool2: WorkerPool, backend: str | None
+) -> None:
     case = MaskedCase(sizes=(3, 4), valid=(0.5, 0.6), steps=1)
     expected = _reference(case, 2)
-    for result in pool2.run(_ddp_step, timeout=60.0):
+    for result in pool2.run(_ddp_step, backend, timeout=180.0):
         # DDP averages the gradients over the 2 ranks: the gathered batch's gradient / 2
         torch.testing.assert_close(result["grad_weight"] * 2, expected["steps"][0]["grad_weight"])
         torch.testing.assert_close(result["state"]["running_var"], expected["state"]["running_var"])
