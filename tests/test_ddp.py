@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from _harness import WorkerPool
@@ -74,26 +76,34 @@ def _scaled_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: floa
 def _train_ddp(
     rank: int, world_size: int, sizes: tuple[int, ...], options: dict[str, Any]
 ) -> dict[str, Any]:
-    micro = options.get("micro", 1)
     device = torch.device(options.get("device", "cpu"))  # "cuda": tests/test_cuda.py
     model = syncbn.convert_sync_batchnorm(_model(options.get("checkpointing", "none")))
     model.to(device)
-    wrapped = model
-    if "compile" in options:
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
-        counters.clear()
-        if options.get("inside_ddp"):  # DDP over the compiled model (Lightning's order)
-            wrapped = cast(nn.Module, torch.compile(model, backend=options["compile"]))
-    with _dynamo_flags(options):  # DDP picks its reducer when it is built
+    if "compile" not in options:
         ddp = nn.parallel.DistributedDataParallel(
-            wrapped, broadcast_buffers=options.get("broadcast_buffers", True)
+            model, broadcast_buffers=options.get("broadcast_buffers", True)
         )
+        return _train_steps(rank, world_size, sizes, options, model, ddp)
+    with _compile_settings(options):
+        return _train_compiled(rank, world_size, sizes, options, model)
+
+
+def _train_steps(
+    rank: int,
+    world_size: int,
+    sizes: tuple[int, ...],
+    options: dict[str, Any],
+    model: nn.Module,
+    ddp: nn.parallel.DistributedDataParallel,
+    backward: Any = None,
+) -> dict[str, Any]:
+    """``_train_ddp``'s steps of ``ddp`` (wrapping ``model``), each step's backward through
+    ``backward(x, y, scale)`` where given (a compiled scenario's); ``model``'s state."""
+    micro = options.get("micro", 1)
+    device = next(model.parameters()).device
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     start, total = sum(sizes[:rank]), sum(sizes)
     batches = _data(sizes, STEPS, micro)
-    backward = _compiled_backward(ddp, options) if "compile" in options else None
     for step in range(STEPS):
         optimizer.zero_grad()
         for index in range(micro):
@@ -109,63 +119,84 @@ def _train_ddp(
             else:
                 _scaled_loss(ddp, x, y, world_size / total).backward()
         optimizer.step()
-    state: dict[str, Any] = {key: value.cpu() for key, value in _state(model).items()}
-    if backward is not None:
-        state["compiled graphs"] = _compiled_graphs()
-    return state
+    return {key: value.cpu() for key, value in _state(model).items()}
 
 
-def _compiled_backward(ddp: nn.Module, options: dict[str, Any]) -> Any:
-    """A compiled forward and backward of the DDP-wrapped model, as torch documents them.
+class _Whole(nn.Module):
+    """A model's own top-level module, as a user's model has one: dynamo starts no frame
+    in torch.nn's code (an ``nn.Sequential`` at the top under ``torch.compile(ddp)`` runs
+    eagerly, with each user-defined submodule compiled as a frame of its own), so this
+    forward is what makes the whole model one graph, the one DDPOptimizer splits."""
 
-    ``options["compile"]`` names the ``torch.compile`` backend. By default the forward is
-    compiled (``torch.compile(ddp)``: dynamo's DDPOptimizer, which splits the graph at
-    DDP's bucket boundaries where it finds them), and backward runs eagerly, DDP's reducer
-    all_reducing each bucket as its gradients are ready, between syncbn's all_reduces on
-    the same process group. With ``options["inside_ddp"]``, DDP wraps the compiled model
-    instead (``_train_ddp`` compiled it), backward eager alike. With
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@contextlib.contextmanager
+def _compile_settings(options: dict[str, Any]) -> Iterator[None]:
+    """Dynamo's settings and DDP's first bucket size that ``options`` ask for, set only
+    while the scenario builds, compiles and runs its model, so that the pool process's
+    later scenarios find torch's defaults: compiled autograd with DDP's
+    ``python_reducer`` (DDP picks its reducer when it is built, torch.compile reads
+    compiled_autograd when it wraps a function, each call reads both), and the first
+    bucket's size, which DDP and DDPOptimizer read when they are built."""
+    first_bucket = dist._DEFAULT_FIRST_BUCKET_BYTES
+    try:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = options.get("first_bucket_bytes", first_bucket)
+        if not options.get("compiled_autograd"):
+            yield
+            return
+        with torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer"):
+            yield
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket
+
+
+def _train_compiled(
+    rank: int, world_size: int, sizes: tuple[int, ...], options: dict[str, Any], model: nn.Module
+) -> dict[str, Any]:
+    """``_train_ddp``'s steps compiled as torch documents it for DDP.
+
+    ``options["compile"]`` names the ``torch.compile`` backend. By default the DDP wrapper
+    is compiled (``torch.compile(ddp)``: dynamo's DDPOptimizer splits the model's graph at
+    DDP's bucket boundaries, several with ``options["bucket_bytes"]``), and backward runs
+    eagerly, DDP's reducer all_reducing each bucket as its gradients are ready, between
+    syncbn's all_reduces on the same process group. With ``options["inside_ddp"]``, DDP
+    wraps the compiled model instead, backward eager alike. With
     ``options["compiled_autograd"]``, the whole step is one compiled function whose
     backward compiled autograd traces, with DDP's ``python_reducer`` (its bucket
-    all_reduces in the traced backward graph).
+    all_reduces in the traced backward graph). The state gains ``"compiled graphs"``:
+    the graphs the backend compiled, and the backward graphs compiled autograd captured.
     """
-    backend = options["compile"]
-    if options.get("inside_ddp"):
-        return lambda x, y, scale: _scaled_loss(ddp, x, y, scale).backward()
-    if not options.get("compiled_autograd"):
-        compiled = cast(nn.Module, torch.compile(ddp, backend=backend))
-        return lambda x, y, scale: _scaled_loss(compiled, x, y, scale).backward()
-
-    def step(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
-        _scaled_loss(ddp, x, y, scale).backward()
-
-    with _dynamo_flags(options):  # torch.compile reads compiled_autograd when it wraps
-        compiled_step = torch.compile(step, backend=backend)
-
-    def run(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
-        with _dynamo_flags(options):
-            compiled_step(x, y, scale)
-
-    return run
-
-
-def _dynamo_flags(options: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-    """Dynamo's settings for compiled autograd with DDP's ``python_reducer``, where
-    ``options`` ask for it: set only while a scenario builds, compiles and runs its model,
-    so that the pool process's later scenarios find torch's defaults."""
-    if not options.get("compiled_autograd"):
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer")
-
-
-def _compiled_graphs() -> dict[str, int]:
-    """What dynamo compiled in a compiled scenario: its frames, and the backward graphs
-    that compiled autograd captured."""
+    from test_compile import _CountingBackend
     from torch._dynamo.utils import counters
 
-    return {
-        "frames": counters["stats"]["unique_graphs"],
+    torch._dynamo.reset()  # no graphs of an earlier scenario in this pool process
+    counters.clear()
+    backend = _CountingBackend(options["compile"])
+    whole = _Whole(model)
+    inside = options.get("inside_ddp", False)  # DDP over the compiled model (Lightning's)
+    ddp = nn.parallel.DistributedDataParallel(
+        cast(nn.Module, torch.compile(whole, backend=backend)) if inside else whole,
+        bucket_cap_mb=options.get("bucket_bytes", 25 * 2**20) / 2**20,
+    )
+    compiled_step = options.get("compiled_autograd", False)
+    run = ddp if inside or compiled_step else cast(nn.Module, torch.compile(ddp, backend=backend))
+
+    def step(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
+        _scaled_loss(run, x, y, scale).backward()
+
+    backward = torch.compile(step, backend=backend) if compiled_step else step
+    state = _train_steps(rank, world_size, sizes, options, model, ddp, backward)
+    state["compiled graphs"] = {
+        "backend compiles": backend.compiles,
         "compiled autograd captures": counters["compiled_autograd"]["captures"],
     }
+    return state
 
 
 def _train_reference(sizes: tuple[int, ...], options: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -274,10 +305,12 @@ def test_fsdp2_training_matches_global_batch(
     "options",
     [
         {"compile": "inductor"},
+        # 1 KiB buckets, the first 256 bytes: DDPOptimizer splits the graph in 3 or more
+        {"compile": "inductor", "bucket_bytes": 1024, "first_bucket_bytes": 256},
         {"compile": "inductor", "inside_ddp": True},
         {"compile": "aot_eager", "compiled_autograd": True},
     ],
-    ids=["inductor", "inductor-inside-ddp", "compiled-autograd"],
+    ids=["inductor", "inductor-split", "inductor-inside-ddp", "compiled-autograd"],
 )
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_compiled_ddp_training_matches_global_batch(
@@ -296,7 +329,8 @@ def test_compiled_ddp_training_matches_global_batch(
     _assert_bitwise_equal_across_ranks(states)
     for state in states:
         graphs = state["compiled graphs"]
-        assert graphs["frames"] >= 1, graphs
+        # one graph of the whole model, or DDPOptimizer's pieces of it (one per bucket)
+        assert graphs["backend compiles"] >= (3 if "bucket_bytes" in options else 1), graphs
         # compiled autograd traced the backward, or was not used
         captures = graphs["compiled autograd captures"]
         assert captures >= 1 if options.get("compiled_autograd") else captures == 0, graphs
