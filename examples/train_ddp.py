@@ -82,6 +82,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="keep plain BatchNorm (per-process statistics), to compare",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (inductor), then wrap it in DDP",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -210,8 +215,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if not args.no_sync:
         model = syncbn.convert_sync_batchnorm(model)
     model = model.to(device)
+    # compiled inside DDP: this model's top module is an nn.Sequential, and dynamo starts no
+    # frame in torch.nn's code, so torch.compile(ddp_model) would leave its layers eager
+    trained = torch.compile(model) if args.compile else model
     ddp_model = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None
+        trained, device_ids=[device.index] if device.type == "cuda" else None
     )
     # SyncBatchNorm keeps the running statistics identical on every rank by itself, so DDP
     # need not broadcast rank 0's buffers before every forward (with --no-sync, each rank
@@ -233,11 +241,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * steps_per_epoch)
     norm = "plain BatchNorm (per-process statistics)" if args.no_sync else "syncbn.SyncBatchNorm"
     log.info(
-        "%d processes on %s (%s), %s, batch %d per process = %d in all",
+        "%d processes on %s (%s), %s%s, batch %d per process = %d in all",
         world_size,
         device.type,
         dist.get_backend(),
         norm,
+        ", compiled" if args.compile else "",
         args.batch_size,
         args.batch_size * world_size,
     )

@@ -132,13 +132,14 @@ def test_rejects_non_positive_sizes(
     assert "must be positive" in capsys.readouterr().err
 
 
-def test_one_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_node(tmp_path: Path, compiled: bool) -> None:
     out = tmp_path / "out"
-    output = _launch(
-        tmp_path, _torchrun("--standalone", "--nproc_per_node=2") + TINY + ["--out", str(out)]
-    )
+    options = TINY + ["--out", str(out)] + (["--compile"] if compiled else [])
+    output = _launch(tmp_path, _torchrun("--standalone", "--nproc_per_node=2") + options)
 
-    assert output.count("2 processes on cpu (gloo), syncbn.SyncBatchNorm") == 1, output
+    norm = "syncbn.SyncBatchNorm, compiled," if compiled else "syncbn.SyncBatchNorm, batch"
+    assert output.count(f"2 processes on cpu (gloo), {norm}") == 1, output
     assert output.count("epoch 2: train loss") == 1, output  # logged by rank 0 only
     stats = _running_stats(out, world_size=2)
     assert _identical(stats[0], stats[1])
