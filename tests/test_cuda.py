@@ -370,6 +370,8 @@ def test_compiled_ddp_on_cuda_through_gloo_equals_the_global_batch(pool2: Worker
     (tests/test_ddp.py's scenario and reference, on the CPU)."""
     options = {"compile": "inductor", "device": "cuda"}
     states = pool2.run(_train_ddp, (3, 1), options, timeout=300.0)
+    for state in states:
+        state.pop("compiled graphs")  # what test_ddp.py's compiled scenarios count
     _max_error(states, _train_reference((3, 1), {}))
 
 

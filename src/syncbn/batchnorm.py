@@ -255,7 +255,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             self.__dict__["last_input_dim"] = input.dim()
         if not self.training:
             return self._eval_forward(input, mask)
-        synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
+        synchronized = self._synchronizes()
         if not synchronized and mask is None:
             return self._local_training_forward(input)
         tracking = self.track_running_stats
@@ -285,12 +285,16 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             ordered=synchronized,
         )
 
+    def _synchronizes(self) -> bool:
+        """Whether a training call takes the synchronized path: a process group of more
+        than one rank, or the sync path forced for a group of one."""
+        return distributed.get_world_size(self.process_group) > 1 or self._sync_alone
+
     def _join_forward_with_error(self, input: torch.Tensor, compiling: bool) -> None:
         """A synchronized training call that fails before it reaches its collective (its
         block's mask refused) joins the collective with the error flag, so that the other
         ranks raise too instead of waiting, as for an invalid input."""
-        synchronized = distributed.get_world_size(self.process_group) > 1 or self._sync_alone
-        if compiling or not self.training or not synchronized:
+        if compiling or not self.training or not self._synchronizes():
             return
         parameters = (self.weight, self.bias, self.running_mean, self.running_var)
         device = collective_device(input, *parameters)
