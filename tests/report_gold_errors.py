@@ -31,7 +31,7 @@ _DDP_OPTIONS: list[dict[str, Any]] = [
     {"micro": 2},
     {"checkpointing": "reentrant"},
     {"checkpointing": "non-reentrant"},
-    {"broadcast_buffers": False},
+    {"ddp": {"broadcast_buffers": False}},
 ]
 
 

@@ -80,9 +80,7 @@ def _train_ddp(
     model = syncbn.convert_sync_batchnorm(_model(options.get("checkpointing", "none")))
     model.to(device)
     if "compile" not in options:
-        ddp = nn.parallel.DistributedDataParallel(
-            model, broadcast_buffers=options.get("broadcast_buffers", True)
-        )
+        ddp = nn.parallel.DistributedDataParallel(model, **options.get("ddp", {}))
         return _train_steps(rank, world_size, sizes, options, model, ddp)
     with _compile_settings(options):
         return _train_compiled(rank, world_size, sizes, options, model)
@@ -336,10 +334,40 @@ def test_compiled_ddp_training_matches_global_batch(
 
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool) -> None:
-    options = {"broadcast_buffers": broadcast_buffers}
+    options = {"ddp": {"broadcast_buffers": broadcast_buffers}}
     states = pool2.run(_train_ddp, (3, 1), options)
     _max_error(states, _train_reference((3, 1), options))
     _assert_bitwise_equal_across_ranks(states)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # static_graph: what reentrant checkpointing under DDP needs (torch's DDP docs)
+        {"ddp": {"static_graph": True}},
+        {"ddp": {"static_graph": True}, "checkpointing": "reentrant"},
+        {"ddp": {"find_unused_parameters": True}},
+        {"ddp": {"gradient_as_bucket_view": True}},
+        # not with static_graph: DDP's first backward under no_sync() fails torch's own
+        # assert there, syncbn or not (pytorch/pytorch#143580; fix proposed in #187732)
+        {"ddp": {"gradient_as_bucket_view": True}, "micro": 2},
+    ],
+    ids=[
+        "static-graph",
+        "static-graph-reentrant",
+        "find-unused",
+        "bucket-view",
+        "bucket-view-no-sync",
+    ],
+)
+def test_ddp_reducer_options(pool2: WorkerPool, options: dict[str, Any]) -> None:
+    """DDP's reducer options change when and from where its gradient all_reduces run
+    (static_graph records the first step's order and replays it; gradient_as_bucket_view
+    makes .grad a view of the bucket), never syncbn's collectives or results."""
+    states = pool2.run(_train_ddp, (3, 1), options)
+    _max_error(states, _train_reference((3, 1), options))
+    _assert_bitwise_equal_across_ranks(states)
+    assert states[0]["3.bn.num_batches_tracked"].item() == STEPS * options.get("micro", 1)
 
 
 def test_gradient_accumulation_with_no_sync(pool2: WorkerPool) -> None:
