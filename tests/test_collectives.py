@@ -3,13 +3,14 @@ payload independent of world size; numerical stability of the cross-rank merge."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import WorkerPool
+from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
 from syncbn._cli.measure import Collective, count_collectives
@@ -109,6 +110,23 @@ def test_eval_uses_running_stats_or_local_batch(pool2: WorkerPool) -> None:
         assert result["untracked"] < 1e-5
 
 
+#: a scenario run eagerly and under ``torch.compile(fullgraph=True)``
+_EAGER_AND_COMPILED = pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not hasattr(torch.library, "custom_op"),
+                reason="fullgraph compile needs torch >= 2.4",
+            ),
+        ),
+    ],
+    ids=["eager", "compiled"],
+)
+
+
 def _large_mean_statistics(
     rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool
 ) -> dict[str, torch.Tensor]:
@@ -126,20 +144,7 @@ def _large_mean_statistics(
     }
 
 
-@pytest.mark.parametrize(
-    "compiled",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(
-                not hasattr(torch.library, "custom_op"),
-                reason="fullgraph compile needs torch >= 2.4",
-            ),
-        ),
-    ],
-    ids=["eager", "compiled"],
-)
+@_EAGER_AND_COMPILED
 @pytest.mark.timeout(180)  # the compiled scenario's bound plus the pools' start
 def test_float32_mean_1e4_std_1_is_accurate(
     pool2: WorkerPool, pool3: WorkerPool, compiled: bool
@@ -221,3 +226,102 @@ def test_saves_no_more_for_backward_than_batchnorm(pool2: WorkerPool) -> None:
     input_bytes = 3 * 8 * 5 * 5 * 4
     for sync_bytes, plain_bytes in zip(synced, plain):
         assert input_bytes < sync_bytes <= plain_bytes
+
+
+_Layer = TypeVar("_Layer", bound=_BatchNorm)
+#: the process groups of the subgroup test: ranks 0 and 2 together, rank 1 alone
+_SUBGROUPS = [[0, 2], [1]]
+#: each rank's local batch size in the subgroup test (uneven within the group [0, 2])
+_SUBGROUP_SIZES = (3, 2, 5)
+
+
+def _subgroup_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s input and output gradient in the subgroup test, float64."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    shape = (_SUBGROUP_SIZES[rank], 3, 4, 4)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * (rank + 1) + rank
+    return x, torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def _with_subgroup_affine(bn: _Layer) -> _Layer:
+    """``bn`` in float64 with the subgroup test's weight and bias."""
+    gen = torch.Generator().manual_seed(0)
+    bn.double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(3, generator=gen, dtype=torch.float64) + 0.5)
+        bn.bias.copy_(torch.randn(3, generator=gen, dtype=torch.float64))
+    return bn
+
+
+def _in_subgroup(rank: int, world_size: int, compiled: bool) -> dict[str, Any]:
+    """One training step of a SyncBatchNorm on the subgroup of ``rank``; its results, and
+    the collectives of the eager step."""
+    torch._dynamo.reset()
+    group, _ = dist.new_subgroups_by_enumeration(_SUBGROUPS)
+    bn = _with_subgroup_affine(syncbn.SyncBatchNorm(3, momentum=0.3, process_group=group))
+    run = torch.compile(bn, fullgraph=True, backend="aot_eager") if compiled else bn
+    x, dy = _subgroup_batch(rank)
+    x.requires_grad_()
+    with count_collectives() as log:
+        y = run(x)
+        y.backward(dy)
+    assert x.grad is not None and bn.weight.grad is not None and bn.bias.grad is not None
+    return {
+        "output": y.detach(),
+        "input grad": x.grad,
+        "weight grad": bn.weight.grad,
+        "bias grad": bn.bias.grad,
+        "running_mean": bn.running_mean,
+        "running_var": bn.running_var,
+        "collectives": len(log),
+    }
+
+
+def _subgroup_reference(rank: int) -> dict[str, Any]:
+    """BatchNorm on the concatenated batches of ``rank``'s subgroup; ``rank``'s share.
+
+    The parameter gradients are each rank's share of the group batch's (its own
+    positions' terms), which DDP's all_reduce then sums, as torch's SyncBatchNorm does."""
+    members = next(ranks for ranks in _SUBGROUPS if rank in ranks)
+    batches = [_subgroup_batch(member) for member in members]
+    x = torch.cat([x for x, _ in batches]).requires_grad_()
+    dy = torch.cat([dy for _, dy in batches])
+    reference = _with_subgroup_affine(torch.nn.BatchNorm2d(3, momentum=0.3))
+    y = reference(x)
+    y.backward(dy)
+    assert x.grad is not None and reference.weight.grad is not None
+    start = sum(_SUBGROUP_SIZES[m] for m in members[: members.index(rank)])
+    local = slice(start, start + _SUBGROUP_SIZES[rank])
+    weight, bias = (
+        parameter.detach().view(-1, 1, 1) for parameter in (reference.weight, reference.bias)
+    )
+    normalized = (y.detach()[local] - bias) / weight
+    return {
+        "output": y.detach()[local],
+        "input grad": x.grad[local],
+        "weight grad": (dy[local] * normalized).sum((0, 2, 3)),
+        "bias grad": dy[local].sum((0, 2, 3)),
+        "running_mean": reference.running_mean,
+        "running_var": reference.running_var,
+    }
+
+
+@_EAGER_AND_COMPILED
+@pytest.mark.timeout(180)  # the compiled scenario's bound plus the pool's start
+def test_a_subgroup_synchronizes_its_own_ranks_only(pool3: WorkerPool, compiled: bool) -> None:
+    """Process groups that are proper subsets of the world (ranks 0 and 2, and rank 1
+    alone): each rank gets BatchNorm of its own group's batch, one collective each way
+    within a group of two, none alone. Compiled graphs find their group by name."""
+    results = pool3.run(_in_subgroup, compiled, timeout=120.0)
+    for rank, result in enumerate(results):
+        collectives = result.pop("collectives")
+        if not compiled:
+            assert collectives == (0 if rank == 1 else 2), (rank, collectives)
+        expected = _subgroup_reference(rank)
+        assert result.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(result[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    # within the group, the same running statistics bitwise; rank 1's are its own
+    for key in ("running_mean", "running_var"):
+        assert torch.equal(results[0][key], results[2][key]), key
+        assert not torch.allclose(results[0][key], results[1][key]), key
