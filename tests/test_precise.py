@@ -287,3 +287,44 @@ def test_refused_arguments_on_one_rank_raise_on_every_rank(pool2: WorkerPool) ->
     refused, other = pool2.run(_negative_num_batches_on_rank_0, timeout=30.0)
     assert refused[0] == "ValueError" and "num_batches must be non-negative" in refused[1]
     assert other[0] == "RuntimeError" and "other rank(s)" in other[1], other
+
+
+def _swa_batches(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s share of 3 global batches (one rank's share empty at one step)."""
+    gen = torch.Generator().manual_seed(20)
+    sizes = [(2, 3, 1), (0, 4, 2), (3, 1, 3)]
+    batches = []
+    for step_sizes in sizes:
+        global_batch = torch.randn(sum(step_sizes[:world_size]), 3, 6, 6, generator=gen)
+        start = sum(step_sizes[:rank])
+        batches.append(global_batch.double()[start : start + step_sizes[rank]] * 2 + 5)
+    return batches
+
+
+def _swa_update_bn(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    averaged = AveragedModel(syncbn.convert_sync_batchnorm(_model(sync=False)))
+    update_bn(_swa_batches(rank, world_size), averaged)
+    return {k: v.clone() for k, v in averaged.module.state_dict().items()}
+
+
+def test_swa_update_bn_averages_the_global_batches(pool: WorkerPool) -> None:
+    """``torch.optim.swa_utils.update_bn`` (SWA's last step: a cumulative average over a
+    loader, momentum None, in train mode) on a converted model: each forward synchronizes,
+    so every rank gets the average of the global batches' statistics, as one process
+    that sees the global batches."""
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    world_size = pool.world_size
+    reference = AveragedModel(_model(sync=False))
+    global_batches = [
+        torch.cat(shares)
+        for shares in zip(*(_swa_batches(rank, world_size) for rank in range(world_size)))
+    ]
+    update_bn(global_batches, reference)
+    expected = reference.module.state_dict()
+    for state in pool.run(_swa_update_bn):
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
