@@ -824,3 +824,26 @@ def test_a_layer_without_bias_resets_on_any_torch() -> None:
         cast(torch.Tensor, layer.weight).fill_(2.0)
     layer.reset_parameters()
     assert layer.bias is None and bool((cast(torch.Tensor, layer.weight) == 1).all())
+
+
+def test_a_model_built_on_the_meta_device_converts_and_materializes() -> None:
+    """Large models are built without storage (``torch.device("meta")``), converted and
+    sharded, then materialized with ``to_empty`` and initialized by ``reset_parameters``:
+    the converted layers become torch's freshly initialized BatchNorm."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=0.3), nn.ReLU())
+    converted = syncbn.convert_sync_batchnorm(model)
+    layer = converted[1]
+    assert isinstance(layer, syncbn.SyncBatchNorm)
+    assert all(t.is_meta for t in layer.state_dict().values())
+    converted.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in converted.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=0.3), nn.ReLU())
+    torch.testing.assert_close(converted.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    x = torch.randn(5, 3, 6, 6)
+    torch.testing.assert_close(converted(x), reference(x))
+    torch.testing.assert_close(converted.state_dict(), reference.state_dict())
