@@ -332,18 +332,12 @@ def test_compiled_ddp_training_matches_global_batch(
         assert captures >= 1 if options.get("compiled_autograd") else captures == 0, graphs
 
 
-@pytest.mark.parametrize("broadcast_buffers", [True, False])
-def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool) -> None:
-    options = {"ddp": {"broadcast_buffers": broadcast_buffers}}
-    states = pool2.run(_train_ddp, (3, 1), options)
-    _max_error(states, _train_reference((3, 1), options))
-    _assert_bitwise_equal_across_ranks(states)
-
-
 @pytest.mark.parametrize(
     "options",
     [
-        # static_graph: what reentrant checkpointing under DDP needs (torch's DDP docs)
+        {"ddp": {"broadcast_buffers": True}},  # DDP's default: buffers from rank 0 each step
+        {"ddp": {"broadcast_buffers": False}},
+        # static_graph: torch's DDP docs advise it with reentrant checkpointing
         {"ddp": {"static_graph": True}},
         {"ddp": {"static_graph": True}, "checkpointing": "reentrant"},
         {"ddp": {"find_unused_parameters": True}},
@@ -353,6 +347,8 @@ def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool
         {"ddp": {"gradient_as_bucket_view": True}, "micro": 2},
     ],
     ids=[
+        "broadcast-buffers",
+        "no-broadcast-buffers",
         "static-graph",
         "static-graph-reentrant",
         "find-unused",
@@ -360,10 +356,11 @@ def test_broadcast_buffers_either_way(pool2: WorkerPool, broadcast_buffers: bool
         "bucket-view-no-sync",
     ],
 )
-def test_ddp_reducer_options(pool2: WorkerPool, options: dict[str, Any]) -> None:
-    """DDP's reducer options change when and from where its gradient all_reduces run
-    (static_graph records the first step's order and replays it; gradient_as_bucket_view
-    makes .grad a view of the bucket), never syncbn's collectives or results."""
+def test_ddp_options_change_nothing(pool2: WorkerPool, options: dict[str, Any]) -> None:
+    """DDP's options change what it does with buffers and when and from where its gradient
+    all_reduces run (static_graph records the first step's order and replays it;
+    gradient_as_bucket_view makes .grad a view of the bucket), never syncbn's collectives
+    or results."""
     states = pool2.run(_train_ddp, (3, 1), options)
     _max_error(states, _train_reference((3, 1), options))
     _assert_bitwise_equal_across_ranks(states)
