@@ -363,3 +363,38 @@ def test_a_subgroup_synchronizes_its_own_ranks_only(pool3: WorkerPool, compiled:
     for key in ("running_mean", "running_var"):
         assert torch.equal(results[0][key], results[2][key]), key
         assert not torch.allclose(results[0][key], results[1][key]), key
+
+
+def _data_parallel_replica(rank: int, world_size: int) -> dict[str, Any]:
+    """A layer copied as ``torch.nn.DataParallel`` copies it for each of several devices
+    (``torch.nn.parallel.replicate`` calls this per module), trained over a process group
+    of 2 ranks; then in eval mode, and the original layer."""
+    bn = syncbn.SyncBatchNorm(3)
+    replica = bn._replicate_for_data_parallel()
+    for name, parameter in bn.named_parameters():  # replicate's copies: plain tensors
+        setattr(replica, name, parameter * 1)
+    x = torch.randn(2, 3, 4, 4)
+    with count_collectives() as log:
+        outcome: dict[str, Any] = {}
+        try:
+            replica(x)
+        except RuntimeError as error:
+            outcome["train"] = str(error)
+        outcome["train collectives"] = len(log)
+        replica.eval()
+        outcome["eval"] = torch.equal(replica(x), bn.eval()(x))
+        bn.train()(x)
+        outcome["original collectives"] = len(log)
+    return outcome
+
+
+def test_a_data_parallel_replica_refuses_to_synchronize(pool2: WorkerPool) -> None:
+    """Replicas of one process would all call the group's collectives at once from their
+    threads: summing the wrong partners' statistics, or hanging. Each raises before any
+    collective (on every rank alike), and eval mode, which never communicates, works."""
+    for result in pool2.run(_data_parallel_replica):
+        assert "torch.nn.DataParallel replica" in result["train"], result
+        assert "DistributedDataParallel with one process per device" in result["train"]
+        assert result["train collectives"] == 0
+        assert result["eval"] is True
+        assert result["original collectives"] == 1

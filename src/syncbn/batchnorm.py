@@ -25,6 +25,21 @@ from syncbn._layer_identity import LayerIdentity
 __all__ = ["SyncBatchNorm", "reset_without_bias"]
 
 
+def _data_parallel_replica_error() -> RuntimeError:
+    """What a synchronized training call of a ``torch.nn.DataParallel`` replica raises,
+    before any collective: the replicas of one process would each call the process
+    group's collectives at once, from their own threads, and sum the wrong partners'
+    statistics, or hang."""
+    return RuntimeError(
+        "SyncBatchNorm: this layer is a torch.nn.DataParallel replica (one of the copies "
+        "that DataParallel runs in threads, one per device) and cannot synchronize over a "
+        "process group: every replica would call the group's collectives at once. Use "
+        "DistributedDataParallel with one process per device, or, to synchronize "
+        "DataParallel's replicas, syncbn.data_parallel's layers "
+        "(syncbn.data_parallel.convert_model(syncbn.revert_sync_batchnorm(model)))"
+    )
+
+
 def reset_without_bias(layer: _BatchNorm) -> bool:
     """Reset the parameters of a layer built with ``bias=False``: running statistics, and a
     weight of ones. torch < 2.13 does not know ``bias=False``, and its reset zeroes the
@@ -258,6 +273,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         synchronized = self._synchronizes()
         if not synchronized and mask is None:
             return self._local_training_forward(input)
+        if synchronized and self.__dict__.get("_is_replica", False):
+            raise _data_parallel_replica_error()
         tracking = self.track_running_stats
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
