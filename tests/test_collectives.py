@@ -61,12 +61,17 @@ def test_one_collective_each_way_with_payload_independent_of_world_size(
 _SHARES = (slice(0, 3), slice(3, 4))
 
 
+def _no_autograd_batch() -> torch.Tensor:
+    """The global batch of the no-autograd test, float64."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(4, 3, 4, 4, generator=gen, dtype=torch.float64) * 3 + 2
+
+
 def _forward_without_autograd(rank: int, world_size: int, context: str) -> dict[str, Any]:
     """A training-mode forward under ``torch.no_grad()`` or ``torch.inference_mode()``
     (statistics recomputed for evaluation, a teacher model in train mode): rank ``rank``'s
     output, running statistics and collectives."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 3, 4, 4, generator=gen, dtype=torch.float64) * 3 + 2
+    x = _no_autograd_batch()
     bn = syncbn.SyncBatchNorm(3, momentum=0.5).double()
     guard = torch.no_grad() if context == "no_grad" else torch.inference_mode()
     with count_collectives() as log, guard:
@@ -82,10 +87,8 @@ def _forward_without_autograd(rank: int, world_size: int, context: str) -> dict[
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_a_training_forward_without_autograd_synchronizes(pool2: WorkerPool, context: str) -> None:
     """One collective, the global batch's statistics, nothing for a backward to wait for."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 3, 4, 4, generator=gen, dtype=torch.float64) * 3 + 2
     reference = torch.nn.BatchNorm2d(3, momentum=0.5).double()
-    expected = reference(x).detach()
+    expected = reference(_no_autograd_batch()).detach()
     for rank, result in enumerate(pool2.run(_forward_without_autograd, context)):
         assert result["collectives"] == [Collective("all_reduce", (2 * 3 + 5) * 8)]
         torch.testing.assert_close(
