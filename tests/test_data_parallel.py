@@ -9,6 +9,7 @@ slice of the batch. The results must equal torch's BatchNorm on the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -26,6 +27,7 @@ from _gold import Case, Tolerance, reference
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import syncbn
 from syncbn.data_parallel import (
     DataParallelWithCallback,
     SynchronizedBatchNorm1d,
@@ -96,6 +98,22 @@ def in_threads(work: Callable[[int], Any], num_copies: int) -> tuple[list[Any], 
         thread.join(THREAD_JOIN_SECONDS)
     assert not any(t.is_alive() for t in threads), "a replica thread is still waiting"
     return results, errors
+
+
+def parallel_apply_in_threads(
+    self: nn.DataParallel, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
+) -> list[Any]:
+    """``torch.nn.DataParallel.parallel_apply`` on CPU threads (torch's runs one thread per
+    replica on its device); raises the first replica's error."""
+
+    def work(copy_id: int) -> Any:
+        return replicas[copy_id](*inputs[copy_id], **(kwargs[copy_id] if kwargs else {}))
+
+    results, errors = in_threads(work, len(replicas))
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
 
 
 def forward_backward(
@@ -395,18 +413,11 @@ def test_a_failed_step_does_not_fail_the_steps_after_it(monkeypatch: pytest.Monk
             raise MemoryError("simulated: out of memory on replica 1")
         return local_moments(input, *args)
 
-    def cpu_parallel_apply(self: Any, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
-        results, errors = in_threads(lambda i: replicas[i](*inputs[i]), len(replicas))
-        for error in errors:
-            if error is not None:
-                raise error
-        return results
-
     monkeypatch.setattr(_protocol, "resolve_check_mode", lambda mode, device: "deferred")
     monkeypatch.setattr(_protocol, "defer_check", defer_check)
     monkeypatch.setattr(_protocol, "_pending", _protocol.collections.deque())
     monkeypatch.setattr(generic, "local_moments", out_of_memory_on_replica_1_at_step_1)
-    monkeypatch.setattr(nn.DataParallel, "parallel_apply", cpu_parallel_apply)
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
     model = nn.Sequential(SynchronizedBatchNorm1d(4), nn.ReLU(), SynchronizedBatchNorm1d(4))
     data_parallel = DataParallelWithCallback(model)
     failed = []
@@ -794,6 +805,88 @@ def test_masked_replicas_match_batchnorm_on_the_gathered_valid_positions() -> No
     torch.testing.assert_close(layer.running_mean, reference_layer.running_mean, **TOL)
     torch.testing.assert_close(layer.running_var, reference_layer.running_var, **TOL)
     assert layer.num_batches_tracked is not None and int(layer.num_batches_tracked) == 1
+
+
+def _masked_block_model() -> nn.Sequential:
+    """A synchronized layer where a model cannot pass it a mask: inside an nn.Sequential."""
+    torch.manual_seed(0)
+    layer = SynchronizedBatchNorm1d(3, momentum=None).double()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-1.0, 1.0)
+    return nn.Sequential(layer, nn.SiLU())
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per-sample-mask", "broadcast-mask"])
+def test_replicas_take_their_share_of_the_callers_masking_block(
+    monkeypatch: pytest.MonkeyPatch, broadcast: bool
+) -> None:
+    """DataParallel runs its replicas in threads, which do not see the block of the thread
+    that calls the model: DataParallelWithCallback opens one in each replica's thread with
+    that replica's chunk of the mask along dim 0 (as it chunks the inputs: 3 and 2 of a
+    batch of 5), or the whole mask where it is broadcast over the batch. The replicas run
+    in CPU threads here (torch's replicate needs CUDA devices)."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
+    sizes = (3, 2)
+    xs, masks, dys = _masked_data(sizes, (0.7, 0.5))
+    if broadcast:  # one (1, L) mask for every sample: NaN at its padded positions
+        shared = torch.tensor([[True, True, False, True, True, False]])
+        masks = [shared.expand(size, 6) for size in sizes]
+        for x, dy in zip(xs, dys):
+            x.nan_to_num_(5.0).masked_fill_(~shared.unsqueeze(1).expand_as(x), float("nan"))
+            dy.nan_to_num_(1.0).masked_fill_(~shared.unsqueeze(1).expand_as(dy), float("nan"))
+        block = shared
+    else:
+        block = torch.cat(masks)
+    model = _masked_block_model()
+    reference = nn.Sequential(nn.BatchNorm1d(3, momentum=None), nn.SiLU()).double()
+    reference.load_state_dict(model.state_dict())
+    data_parallel = DataParallelWithCallback(model)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    with syncbn.masking(block):
+        outputs = data_parallel.parallel_apply(
+            replicate(model, len(sizes)), [(leaf,) for leaf in leaves], None
+        )
+    # the replicas' backward exchanges meet too: one thread each, as on the devices
+    _, errors = in_threads(lambda i: outputs[i].backward(dys[i]), len(sizes))
+    assert errors == [None] * len(sizes)
+
+    x_valid = _gathered(xs, masks).requires_grad_()
+    expected = reference(x_valid)
+    expected.backward(_gathered(dys, masks))
+    grads = [leaf.grad for leaf in leaves]
+    outputs = [output.detach() for output in outputs]
+    torch.testing.assert_close(_gathered(outputs, masks), expected.detach(), **TOL)
+    torch.testing.assert_close(_gathered(grads, masks), x_valid.grad, **TOL)  # type: ignore[arg-type]
+    for output, grad, mask in zip(outputs, grads, masks):
+        padded = (~mask).unsqueeze(1).expand_as(output)
+        assert (output[padded] == 0).all() and (grad[padded] == 0).all()  # type: ignore[index]
+    for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, **TOL)
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad, **TOL)
+
+
+def test_replicas_under_masking_none_run_unmasked_and_another_scatter_dim_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``masking(None)`` reaches the replicas as it is (no error, no mask); a mask split
+    along dim 0 cannot follow inputs that DataParallel scatters along another dim."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
+    model = _masked_block_model()
+    xs = [torch.randn(size, 3, 6, dtype=torch.float64) for size in (3, 2)]
+
+    def forward(block: syncbn.masking | None) -> list[torch.Tensor]:
+        inputs = [(x,) for x in xs]
+        with block if block is not None else contextlib.nullcontext():
+            return DataParallelWithCallback(model).parallel_apply(replicate(model, 2), inputs, None)
+
+    unmasked = forward(None)
+    for ours, theirs in zip(forward(syncbn.masking(None)), unmasked):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    scattering_dim_1 = DataParallelWithCallback(model, dim=1)
+    scattering_dim_1.dim = 1  # what DataParallel sets where CUDA is available
+    with pytest.raises(ValueError, match="along dim=1"), syncbn.masking(torch.ones(5, 6) > 0):
+        scattering_dim_1.parallel_apply(replicate(model, 2), [(x,) for x in xs], None)
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -8,9 +8,11 @@ called *without* a mask takes this one, exactly as if it had been passed.
 The block's mask is thread-local, like ``torch.autocast``'s state: it reaches the layers
 that the entering thread calls. A layer called in another thread while a block is open
 somewhere (``torch.nn.DataParallel`` runs its replicas in threads) raises rather than
-run unmasked. A forward that activation checkpointing recomputes in backward must find
-a block (with a mask of the same shape) where its first run found one, and none where it
-found none: ``backward`` inside the block, or a clear error.
+run unmasked; :class:`syncbn.data_parallel.DataParallelWithCallback` opens a block in each
+replica's thread with that replica's share of the mask (:func:`replica_blocks`). A forward
+that activation checkpointing recomputes in backward must find a block (with a mask of the
+same shape) where its first run found one, and none where it found none: ``backward``
+inside the block, or a clear error.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from syncbn._autograd import is_recomputing, is_tracing
 
-__all__ = ["block_mask", "layer_mask", "masking"]
+__all__ = ["block_mask", "layer_mask", "masking", "replica_blocks"]
 
 #: the mask of the innermost open block of each thread (a tensor, or ``None`` for a
 #: ``masking(None)`` block); unset, or ``_UNSET``, in a thread with no block open
@@ -56,6 +58,10 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         runs its replicas in threads) raises a ``RuntimeError`` instead of running
         unmasked: pass the mask to such layers, or open a block (``masking(None)`` for no
         mask) in the thread that calls them.
+        :class:`syncbn.data_parallel.DataParallelWithCallback` does the latter for its
+        replicas: each replica's thread opens a block with the replica's chunk of the
+        mask along dim 0, as DataParallel chunks the inputs (a mask broadcast over the
+        batch, ``(1, L)`` or ``(L,)``, whole).
 
     .. note::
         With activation checkpointing (eager mode), a forward recomputed in backward
@@ -97,7 +103,7 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
                 f"syncbn.masking: expected mask to be a torch.Tensor or None, "
                 f"got {type(mask).__name__}"
             )
-        self._mask = mask
+        self._mask: torch.Tensor | _ReplicaShare | None = mask
         self._previous: Any = _UNSET
 
     def __enter__(self) -> masking:
@@ -120,10 +126,14 @@ def _count_open_blocks(change: int) -> None:
         _open_blocks += change
 
 
-def block_mask() -> torch.Tensor | None:
-    """The mask of this thread's innermost block; ``None`` in a ``masking(None)`` block or
-    where no block is open anywhere. Raises where a block is open in another thread only."""
+def block_mask(input: torch.Tensor) -> torch.Tensor | None:
+    """The mask of this thread's innermost block for a layer's ``input``; ``None`` in a
+    ``masking(None)`` block or where no block is open anywhere. Raises where a block is
+    open in another thread only. In a DataParallel replica's block, the replica's share of
+    the mask (:class:`_ReplicaShare`)."""
     mask = getattr(_state, "mask", _UNSET)
+    if isinstance(mask, _ReplicaShare):
+        return mask.of(input)
     if mask is not _UNSET:
         return mask  # type: ignore[no-any-return]
     if _open_blocks:
@@ -149,7 +159,7 @@ def _is_exporting() -> bool:
     return bool(exporting())
 
 
-def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
+def layer_mask(layer: torch.nn.Module, input: torch.Tensor, compiling: bool) -> torch.Tensor | None:
     """The mask of a layer call that was passed none: its thread's block's, or ``None``.
 
     Eager calls remember the block's mask (weakly, on the layer), so that a forward that
@@ -158,10 +168,12 @@ def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
     and the layer's latest call had none, this is two reads.
 
     Args:
+        input: the layer's input (a DataParallel replica's block resolves its share of
+            the mask against it).
         compiling: dynamo is tracing (the mask becomes a graph input; nothing remembered).
     """
     if compiling:
-        mask = block_mask()
+        mask = block_mask(input)
         if mask is not None and _is_exporting():
             raise RuntimeError(
                 "syncbn.masking: torch.export would keep the block's mask in the exported "
@@ -172,7 +184,7 @@ def layer_mask(layer: torch.nn.Module, compiling: bool) -> torch.Tensor | None:
     remembered = layer.__dict__.get(_REMEMBERED)
     if not _open_blocks and remembered is None:
         return None
-    mask = block_mask()
+    mask = block_mask(input)
     if is_recomputing():
         if remembered is not None and mask is not None:
             if remembered.matches(mask):
@@ -220,3 +232,56 @@ class _Remembered:
 def _forgotten() -> None:
     """What an unpickled :class:`_Remembered` is."""
     return None
+
+
+class _ReplicaShare:
+    """A DataParallel replica's part of the block mask of the thread that runs DataParallel:
+    chunk ``index`` of ``chunks`` along the batch dimension, as ``torch.nn.DataParallel``
+    scatters the inputs (``chunk`` along dim 0, which for the same batch size gives the same
+    pieces whether it is asked for one chunk per device or per replica), on the layer's
+    device.
+
+    Which dimension is the batch's depends on the layer's input: a mask with one
+    dimension per position of the input (``(N, L)`` for ``(N, C, L)``) whose first size is
+    not 1 is split; one broadcast over the batch (``(1, L)``, ``(L,)``) is whole in every
+    replica. Each layer's mask is then checked as a passed one is.
+    """
+
+    __slots__ = ("_mask", "_index", "_chunks", "_resolved")
+
+    def __init__(self, mask: torch.Tensor, index: int, chunks: int) -> None:
+        self._mask, self._index, self._chunks = mask, index, chunks
+        #: per (split or whole, device): the share, built once per replica and forward
+        self._resolved: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+    def of(self, input: torch.Tensor) -> torch.Tensor:
+        """This replica's share of the mask for a layer's ``input``."""
+        mask = self._mask
+        split = mask.dim() == input.dim() - 1 and mask.shape[0] > 1
+        key = (split, input.device)
+        share = self._resolved.get(key)
+        if share is None:
+            if split:
+                pieces = mask.chunk(self._chunks, 0)
+                # fewer pieces than replicas: a mask of another batch size than the input's,
+                # which the layer's check refuses (an empty share has the wrong size)
+                mask = pieces[self._index] if self._index < len(pieces) else mask[:0]
+            share = mask.to(input.device)
+            self._resolved[key] = share
+        return share
+
+
+def replica_blocks(replicas: int) -> list[masking] | None:
+    """The blocks that ``replicas`` DataParallel replica threads open, one each, for the
+    block open in this thread (the one that runs DataParallel): each replica's share of its
+    mask (see :class:`_ReplicaShare`), or ``masking(None)`` blocks for a ``masking(None)``
+    block; ``None`` where this thread has no block open (replica threads then raise where
+    a block is open elsewhere, as any other thread does)."""
+    mask = getattr(_state, "mask", _UNSET)
+    if mask is _UNSET or isinstance(mask, _ReplicaShare):  # (a DataParallel in a replica)
+        return None
+    blocks = [masking(None) for _ in range(replicas)]
+    if mask is not None:
+        for index, block in enumerate(blocks):
+            block._mask = _ReplicaShare(mask, index, replicas)
+    return blocks

@@ -259,7 +259,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         compiling = _compiled.is_compiling()
         if mask is None:  # the mask of an enclosing syncbn.masking block, if any
             try:
-                mask = _masking.layer_mask(self, compiling)
+                mask = _masking.layer_mask(self, input, compiling)
             except RuntimeError:
                 self._join_forward_with_error(input, compiling)
                 raise

@@ -139,7 +139,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]
         if mask is None:  # the mask of an enclosing syncbn.masking block, if any
-            mask = _masking.layer_mask(self, is_compiling())
+            mask = _masking.layer_mask(self, input, is_compiling())
         rendezvous = self._replica_sync
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
             # Not a replica among several, or not training: exactly torch's BatchNorm (with
@@ -350,6 +350,20 @@ def _fail_fast(replicas: Sequence[nn.Module]) -> list[nn.Module]:
     return [FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
 
 
+class _InBlock(nn.Module):
+    """Runs one replica inside a :class:`syncbn.masking` block of its own (see
+    :func:`syncbn._masking.replica_blocks`): its thread does not see the caller's block."""
+
+    def __init__(self, replica: nn.Module, block: _masking.masking) -> None:
+        super().__init__()
+        self.replica = replica
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.block:
+            return self.replica(*args, **kwargs)
+
+
 def _device_index(device: int | str | torch.device) -> int | None:
     return device if isinstance(device, int) else torch.device(device).index
 
@@ -393,6 +407,10 @@ class DataParallelWithCallback(nn.DataParallel):
     :class:`SynchronizedBatchNorm2d` (1d, 3d) layers of the copies pool their
     statistics. If a replica raises, the other replicas waiting for it in a
     synchronized layer are released at once with an error that names the failure.
+    Called inside a :class:`syncbn.masking` block, it opens a block in each replica's
+    thread with that replica's chunk of the mask along dim 0, as it chunks the inputs
+    (the whole mask where it is broadcast over the batch); the inputs must then be
+    scattered along ``dim=0``.
 
     On a machine without several CUDA devices the wrapper runs as the plain module:
     without CUDA, ``torch.nn.DataParallel`` ignores ``device_ids`` and calls the
@@ -434,8 +452,19 @@ class DataParallelWithCallback(nn.DataParallel):
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
     ) -> list[Any]:
+        blocks = _masking.replica_blocks(len(replicas))
+        dim = getattr(self, "dim", 0)  # (unset by DataParallel on a machine without CUDA)
+        if blocks is not None and dim != 0:
+            raise ValueError(
+                "DataParallelWithCallback: a syncbn.masking block's mask is split among the "
+                "replicas along the batch dimension, dim 0, but this DataParallel scatters "
+                f"its inputs along dim={dim}; pass the mask to the layers instead"
+            )
+        replicas = _fail_fast(replicas)
+        if blocks is not None:  # each replica's thread opens a block of its own share
+            replicas = [_InBlock(replica, block) for replica, block in zip(replicas, blocks)]
         try:
-            return super().parallel_apply(_fail_fast(replicas), inputs, kwargs)
+            return super().parallel_apply(replicas, inputs, kwargs)
         except BaseException:
             # every replica has stopped, and the step's error is raised: the checks that
             # its exchanges deferred (on GPUs) would fail the next step again, and the next

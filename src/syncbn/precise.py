@@ -61,7 +61,7 @@ def _record_moments(
         # one, or its syncbn.masking block's (torch's own layers ignore a block)
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         if mask is None and isinstance(layer, _TAKE_BLOCK_MASKS):
-            mask = _masking.block_mask()
+            mask = _masking.block_mask(input)
         valid = None
         count = input.numel() // input.shape[1]
         if mask is not None:
