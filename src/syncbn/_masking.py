@@ -255,8 +255,11 @@ class _ReplicaShare:
         self._resolved: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
     def of(self, input: torch.Tensor) -> torch.Tensor:
-        """This replica's share of the mask for a layer's ``input``."""
+        """This replica's share of the mask for a layer's ``input`` (the whole mask for an
+        input that is no tensor, which the layer then refuses)."""
         mask = self._mask
+        if not isinstance(input, torch.Tensor):
+            return mask
         split = mask.dim() == input.dim() - 1 and mask.shape[0] > 1
         key = (split, input.device)
         share = self._resolved.get(key)
