@@ -817,6 +817,23 @@ def _masked_block_model() -> nn.Sequential:
     return nn.Sequential(layer, nn.SiLU())
 
 
+def _step_in_a_block(
+    model: nn.Module, block: torch.Tensor, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One step of ``model``'s replicas, on CPU threads, inside ``masking(block)``; the
+    replicas' backward in threads of their own after the block (as on the devices, where
+    their exchanges meet too). The outputs and the input gradients, per replica."""
+    leaves = [x.clone().requires_grad_() for x in xs]
+    with syncbn.masking(block):
+        outputs = DataParallelWithCallback(model).parallel_apply(
+            replicate(model, len(xs)), [(leaf,) for leaf in leaves], None
+        )
+    _, errors = in_threads(lambda i: outputs[i].backward(dys[i]), len(xs))
+    assert errors == [None] * len(xs)
+    grads = [cast(torch.Tensor, leaf.grad) for leaf in leaves]
+    return [output.detach() for output in outputs], grads
+
+
 @pytest.mark.parametrize("broadcast", [False, True], ids=["per-sample-mask", "broadcast-mask"])
 def test_replicas_take_their_share_of_the_callers_masking_block(
     monkeypatch: pytest.MonkeyPatch, broadcast: bool
@@ -841,29 +858,49 @@ def test_replicas_take_their_share_of_the_callers_masking_block(
     model = _masked_block_model()
     reference = nn.Sequential(nn.BatchNorm1d(3, momentum=None), nn.SiLU()).double()
     reference.load_state_dict(model.state_dict())
-    data_parallel = DataParallelWithCallback(model)
-    leaves = [x.clone().requires_grad_() for x in xs]
-    with syncbn.masking(block):
-        outputs = data_parallel.parallel_apply(
-            replicate(model, len(sizes)), [(leaf,) for leaf in leaves], None
-        )
-    # the replicas' backward exchanges meet too: one thread each, as on the devices
-    _, errors = in_threads(lambda i: outputs[i].backward(dys[i]), len(sizes))
-    assert errors == [None] * len(sizes)
+    outputs, grads = _step_in_a_block(model, block, xs, dys)
 
     x_valid = _gathered(xs, masks).requires_grad_()
     expected = reference(x_valid)
     expected.backward(_gathered(dys, masks))
-    grads = [leaf.grad for leaf in leaves]
-    outputs = [output.detach() for output in outputs]
     torch.testing.assert_close(_gathered(outputs, masks), expected.detach(), **TOL)
-    torch.testing.assert_close(_gathered(grads, masks), x_valid.grad, **TOL)  # type: ignore[arg-type]
+    torch.testing.assert_close(_gathered(grads, masks), x_valid.grad, **TOL)
     for output, grad, mask in zip(outputs, grads, masks):
         padded = (~mask).unsqueeze(1).expand_as(output)
-        assert (output[padded] == 0).all() and (grad[padded] == 0).all()  # type: ignore[index]
+        assert (output[padded] == 0).all() and (grad[padded] == 0).all()
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(ours, theirs, **TOL)
     torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad, **TOL)
+
+
+class _CheckpointedBlock(nn.Module):
+    """``_masked_block_model``'s layers under non-reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _masked_block_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(
+            torch.Tensor, torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        )
+
+
+def test_checkpointed_replicas_recompute_with_their_share_of_the_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica's backward runs in a thread of its own (an autograd device thread on
+    GPUs), without the replica's block: the recomputed forward takes the share that the
+    forward took, after the block has closed, and the running statistics move once."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
+    xs, masks, dys = _masked_data((3, 2), (0.7, 0.5))
+    model = _CheckpointedBlock()
+    plain = _masked_block_model()  # the same layers without checkpointing
+    expected = _step_in_a_block(plain, torch.cat(masks), xs, dys)
+    for ours, theirs in zip(_step_in_a_block(model, torch.cat(masks), xs, dys), expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(model.body.state_dict(), plain.state_dict(), rtol=0, atol=0)
+    assert model.body.state_dict()["0.num_batches_tracked"].item() == 1
 
 
 def test_replicas_under_masking_none_run_unmasked_and_another_scatter_dim_is_refused(

@@ -184,6 +184,10 @@ def layer_mask(layer: torch.nn.Module, input: torch.Tensor, compiling: bool) -> 
     remembered = layer.__dict__.get(_REMEMBERED)
     if not _open_blocks and remembered is None:
         return None
+    if remembered is not None and remembered.share is not None and is_recomputing():
+        # a DataParallel replica's forward, recomputed in an autograd thread, which has no
+        # block of its own: the share that the replica's block gave the forward
+        return remembered.share
     mask = block_mask(input)
     if is_recomputing():
         if remembered is not None and mask is not None:
@@ -202,21 +206,32 @@ def layer_mask(layer: torch.nn.Module, input: torch.Tensor, compiling: bool) -> 
             "forward, or pass the mask to the layer"
         )
     # a plain attribute, past torch.nn.Module.__setattr__ (as last_input_dim)
-    layer.__dict__[_REMEMBERED] = None if mask is None else _Remembered(mask)
+    layer.__dict__[_REMEMBERED] = None if mask is None else _Remembered(mask, _in_replica())
     return mask
+
+
+def _in_replica() -> bool:
+    """Whether this thread's innermost block is a DataParallel replica's."""
+    return isinstance(getattr(_state, "mask", _UNSET), _ReplicaShare)
 
 
 class _Remembered:
     """The block mask of a layer's latest call: a weak reference, and its shape and device
     (a mask that a checkpointed function builds again is another tensor of the same
     values). A pickled or deep-copied layer forgets it (a weak reference cannot be
-    pickled: ``torch.save(model)``)."""
+    pickled: ``torch.save(model)``).
 
-    __slots__ = ("_reference", "_shape", "_device")
+    A DataParallel replica's layer keeps its share itself (``share``): the replica's
+    backward, where checkpointing recomputes its forward, runs in an autograd thread that
+    has no block, and the replica, a copy made for one forward, goes with its step.
+    """
 
-    def __init__(self, mask: torch.Tensor) -> None:
+    __slots__ = ("_reference", "_shape", "_device", "share")
+
+    def __init__(self, mask: torch.Tensor, replica: bool = False) -> None:
         self._reference = weakref.ref(mask)
         self._shape, self._device = mask.shape, mask.device
+        self.share = mask if replica else None
 
     def matches(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is the remembered one, or one of its shape on its device (its
