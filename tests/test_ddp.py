@@ -373,6 +373,92 @@ def test_gradient_accumulation_with_no_sync(pool2: WorkerPool) -> None:
     _max_error(states, _train_reference((2, 3), options))
 
 
+#: per step, each rank's batch size: rank 1's data runs out after two steps (an epoch of
+#: uneven shards, an iterable dataset), rank 0's after four
+_RUNS_OUT = ((3, 1), (2, 2), (3, 0), (2, 0))
+
+
+def _train_until_every_rank_is_out(
+    rank: int, world_size: int, schedule: tuple[tuple[int, ...], ...]
+) -> dict[str, Any]:
+    """README's recipe for ranks with different numbers of batches (DDP's ``join()`` does
+    not shadow a model's own collectives): agree on the number of steps, then a rank that
+    has run out steps with an empty batch; the loss is a sum over the global count (the
+    mean of an empty batch is NaN)."""
+    model = syncbn.convert_sync_batchnorm(_model())
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    batches = _data(schedule[0], len(schedule), 1)  # each step's global batch, rank by rank
+    mine = []  # this rank's loader: its share of each step while it has one
+    for sizes, (x, y) in zip(schedule, batches):
+        start = sum(sizes[:rank])
+        if sizes[rank]:
+            mine.append((x[start : start + sizes[rank]], y[start : start + sizes[rank]]))
+    steps = torch.tensor(len(mine))
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    empty = (mine[0][0][:0], mine[0][1][:0])
+    for step in range(int(steps)):
+        x, y = mine[step] if step < len(mine) else empty
+        count = torch.tensor(len(x))
+        dist.all_reduce(count)
+        optimizer.zero_grad()
+        _scaled_loss(ddp, x, y, world_size / int(count)).backward()
+        optimizer.step()
+    return _state(model)
+
+
+def _train_steps_of(schedule: tuple[tuple[int, ...], ...]) -> dict[str, torch.Tensor]:
+    """One process trained on each step's global batch: what the ranks still had."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for sizes, (x, y) in zip(schedule, _data(_RUNS_OUT[0], len(schedule), 1)):
+        optimizer.zero_grad()
+        n = sum(sizes)
+        F.cross_entropy(model(x[:n]), y[:n]).backward()
+        optimizer.step()
+    return _state(model)
+
+
+def test_a_rank_out_of_data_steps_with_an_empty_batch(pool2: WorkerPool) -> None:
+    states = pool2.run(_train_until_every_rank_is_out, _RUNS_OUT)
+    _max_error(states, _train_steps_of(_RUNS_OUT))
+    _assert_bitwise_equal_across_ranks(states)
+    assert states[1]["1.num_batches_tracked"].item() == len(_RUNS_OUT)
+
+
+def _train_in_ddp_join(rank: int, world_size: int) -> tuple[str, dict[str, Any]]:
+    """Each rank's own batches of ``_RUNS_OUT`` in DDP's ``join(throw_on_early_termination=
+    True)``; the error that stopped it, and the model's state then."""
+    model = syncbn.convert_sync_batchnorm(_model())
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    total = sum(_RUNS_OUT[0])
+    error = ""
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for sizes, (x, y) in zip(_RUNS_OUT, _data(_RUNS_OUT[0], len(_RUNS_OUT), 1)):
+                if not sizes[rank]:
+                    break  # this rank's loader is exhausted
+                start = sum(sizes[:rank])
+                local = slice(start, start + sizes[rank])
+                optimizer.zero_grad()
+                _scaled_loss(ddp, x[local], y[local], world_size / total).backward()
+                optimizer.step()
+    except RuntimeError as stopped:
+        error = str(stopped)
+    return error, _state(model)
+
+
+def test_ddp_join_stops_every_rank_when_one_runs_out(pool2: WorkerPool) -> None:
+    """``join(throw_on_early_termination=True)``, which torch's DDP docs ask for with
+    SyncBatchNorm layers: every rank raises at the step where one has run out, and the
+    steps before it are the global batch's."""
+    (error0, state0), (error1, state1) = pool2.run(_train_in_ddp_join)
+    assert "Detected at least one rank that exhausted inputs" in error0, error0
+    assert "Rank 1 exhausted all inputs" in error1, error1
+    _max_error([state0, state1], _train_steps_of(_RUNS_OUT[:2]))  # both steps of 4 samples
+
+
 @pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
 def test_activation_checkpointing_updates_running_stats_once(
     pool2: WorkerPool, checkpointing: str
