@@ -3,6 +3,7 @@ payload independent of world size; numerical stability of the cross-rank merge."
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, TypeVar
 
 import pytest
@@ -96,6 +97,69 @@ def test_a_training_forward_without_autograd_synchronizes(pool2: WorkerPool, con
         )
         for key in ("running_mean", "running_var"):
             torch.testing.assert_close(result[key], getattr(reference, key), rtol=1e-12, atol=0)
+
+
+def _output_grad() -> torch.Tensor:
+    """The output gradient of the hooks test, over the global batch."""
+    return torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+
+def _hooked_step(rank: int, world_size: int, anomaly: bool) -> dict[str, Any]:
+    """A training step of a layer with module backward hooks (what gradient-inspection and
+    pruning tools register), under autograd's anomaly mode or not: what the hooks saw, the
+    gradients and the collectives."""
+    x = _no_autograd_batch()[_SHARES[rank]].requires_grad_()
+    dy = _output_grad()[_SHARES[rank]]
+    bn = syncbn.SyncBatchNorm(3).double()
+    seen: dict[str, torch.Tensor] = {}
+
+    def before(_: Any, grad_output: Any) -> None:
+        seen["pre"] = grad_output[0].clone()
+
+    def after(_: Any, grad_input: Any, grad_output: Any) -> None:
+        seen.update(input=grad_input[0].clone(), output=grad_output[0].clone())
+
+    bn.register_full_backward_pre_hook(before)
+    bn.register_full_backward_hook(after)
+    mode = torch.autograd.detect_anomaly() if anomaly else contextlib.nullcontext()
+    with mode, count_collectives() as log:
+        (bn(x) * dy).sum().backward()
+    assert x.grad is not None and bn.weight.grad is not None and bn.bias.grad is not None
+    return {
+        "seen": seen,
+        "dy": dy,
+        "x_grad": x.grad,
+        "weight_grad": bn.weight.grad,
+        "bias_grad": bn.bias.grad,
+        "collectives": list(log),
+    }
+
+
+@pytest.mark.parametrize("anomaly", [False, True], ids=["hooks", "hooks-anomaly-mode"])
+def test_module_backward_hooks_see_the_synchronized_gradients(
+    pool2: WorkerPool, anomaly: bool
+) -> None:
+    x = _no_autograd_batch().requires_grad_()
+    reference = torch.nn.BatchNorm2d(3).double()
+    (reference(x) * _output_grad()).sum().backward()
+    assert x.grad is not None and reference.weight.grad is not None
+    results = pool2.run(_hooked_step, anomaly)
+    for rank, result in enumerate(results):
+        assert result["collectives"] == [
+            Collective("all_reduce", (2 * 3 + 5) * 8),
+            Collective("all_reduce", (2 * 3 + 4) * 8),
+        ]
+        torch.testing.assert_close(result["x_grad"], x.grad[_SHARES[rank]], rtol=1e-10, atol=1e-12)
+        assert torch.equal(result["seen"]["input"], result["x_grad"])
+        assert torch.equal(result["seen"]["output"], result["dy"])
+        assert torch.equal(result["seen"]["pre"], result["dy"])
+    # each rank's parameter gradients are its share of the global batch's (DDP sums them)
+    for name, expected in (
+        ("weight_grad", reference.weight.grad),
+        ("bias_grad", reference.bias.grad),
+    ):
+        total = sum(result[name] for result in results)
+        torch.testing.assert_close(total, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_no_process_group_is_exactly_batchnorm() -> None:
