@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import io
 import re
 import threading
 import time
@@ -374,6 +375,24 @@ def test_failure_outside_the_layer_releases_the_others() -> None:
     assert "because replica 1 raised OSError: simulated failure" in str(errors[0])
 
 
+@pytest.mark.parametrize("kind", ["with-callback", "patched"])
+def test_a_failure_outside_the_layer_releases_the_others_through_parallel_apply(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """DataParallelWithCallback's ``parallel_apply``, and a DataParallel patched with
+    ``patch_replication_callback``, release the waiting replica at once (not after
+    ``sync_timeout``) when another raises outside the layer."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
+    layer = SynchronizedBatchNorm1d(2)
+    layer.sync_timeout = 30.0  # the bound should the release not come
+    model = nn.Sequential(FailOnBatchOfThree(), layer)
+    inputs = [(torch.randn(2, 2),), (torch.randn(3, 2),)]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="because replica 1 raised OSError: simulated"):
+        _wrapped(kind, model).parallel_apply(replicate(model, 2), inputs, None)
+    assert time.monotonic() - started < 10.0
+
+
 class _ArrivesNextStep:
     """A deferred header copy that lands only after the step that made it (a GPU's copies
     land after the host has queued the whole forward)."""
@@ -624,6 +643,30 @@ def test_patch_replication_callback_runs_the_callbacks_after_replicate() -> None
         patch_replication_callback(nn.Sequential())  # type: ignore[arg-type]
 
 
+class _CopyingDataParallel(nn.DataParallel):
+    """A DataParallel class of a user's own, patched rather than replaced; it replicates
+    by copies (torch's replicate needs CUDA devices)."""
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> Any:
+        return copies_like_replicate(module, len(device_ids))
+
+
+@pytest.mark.usefixtures("without_cuda")
+def test_a_patched_data_parallel_pickles_and_copies_with_its_patch() -> None:
+    """``torch.save(model)`` of a patched DataParallel works, and the loaded model, like a
+    deep copy, replicates with callbacks through its own class's ``replicate``."""
+    data_parallel = _CopyingDataParallel(SynchronizedBatchNorm1d(3), device_ids=[0, 1])
+    patch_replication_callback(data_parallel)
+    saved = io.BytesIO()
+    torch.save(data_parallel, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    for other in (loaded, copy.deepcopy(data_parallel)):
+        for name in ("replicate", "parallel_apply"):
+            assert getattr(other, name).args[0] is other, name  # the copy's, not the original's
+        assert _synced_copies(other.replicate(other.module, [0, 1])) == [2, 2]
+
+
 def test_data_parallel_with_callback_runs_the_callbacks_after_replicate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -817,15 +860,30 @@ def _masked_block_model() -> nn.Sequential:
     return nn.Sequential(layer, nn.SiLU())
 
 
+def _wrapped(kind: str, model: nn.Module) -> nn.DataParallel:
+    """``model`` in DataParallelWithCallback, or in a DataParallel patched with
+    ``patch_replication_callback`` (vacancy's two ways)."""
+    if kind == "with-callback":
+        return DataParallelWithCallback(model)
+    patched = nn.DataParallel(model)
+    patch_replication_callback(patched)
+    return patched
+
+
 def _step_in_a_block(
-    model: nn.Module, block: torch.Tensor, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor]
+    model: nn.Module,
+    block: torch.Tensor,
+    xs: Sequence[torch.Tensor],
+    dys: Sequence[torch.Tensor],
+    kind: str = "with-callback",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One step of ``model``'s replicas, on CPU threads, inside ``masking(block)``; the
-    replicas' backward in threads of their own after the block (as on the devices, where
-    their exchanges meet too). The outputs and the input gradients, per replica."""
+    """One step of ``model``'s replicas (in the wrapper ``kind`` of :func:`_wrapped`), on CPU
+    threads, inside ``masking(block)``; the replicas' backward in threads of their own after
+    the block (as on the devices, where their exchanges meet too). The outputs and the input
+    gradients, per replica."""
     leaves = [x.clone().requires_grad_() for x in xs]
     with syncbn.masking(block):
-        outputs = DataParallelWithCallback(model).parallel_apply(
+        outputs = _wrapped(kind, model).parallel_apply(
             replicate(model, len(xs)), [(leaf,) for leaf in leaves], None
         )
     _, errors = in_threads(lambda i: outputs[i].backward(dys[i]), len(xs))
@@ -834,15 +892,17 @@ def _step_in_a_block(
     return [output.detach() for output in outputs], grads
 
 
+@pytest.mark.parametrize("kind", ["with-callback", "patched"])
 @pytest.mark.parametrize("broadcast", [False, True], ids=["per-sample-mask", "broadcast-mask"])
 def test_replicas_take_their_share_of_the_callers_masking_block(
-    monkeypatch: pytest.MonkeyPatch, broadcast: bool
+    monkeypatch: pytest.MonkeyPatch, broadcast: bool, kind: str
 ) -> None:
     """DataParallel runs its replicas in threads, which do not see the block of the thread
-    that calls the model: DataParallelWithCallback opens one in each replica's thread with
-    that replica's chunk of the mask along dim 0 (as it chunks the inputs: 3 and 2 of a
-    batch of 5), or the whole mask where it is broadcast over the batch. The replicas run
-    in CPU threads here (torch's replicate needs CUDA devices)."""
+    that calls the model: DataParallelWithCallback (and a patched DataParallel) opens one
+    in each replica's thread with that replica's chunk of the mask along dim 0 (as it
+    chunks the inputs: 3 and 2 of a batch of 5), or the whole mask where it is broadcast
+    over the batch. The replicas run in CPU threads here (torch's replicate needs CUDA
+    devices)."""
     monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
     sizes = (3, 2)
     xs, masks, dys = _masked_data(sizes, (0.7, 0.5))
@@ -858,7 +918,7 @@ def test_replicas_take_their_share_of_the_callers_masking_block(
     model = _masked_block_model()
     reference = nn.Sequential(nn.BatchNorm1d(3, momentum=None), nn.SiLU()).double()
     reference.load_state_dict(model.state_dict())
-    outputs, grads = _step_in_a_block(model, block, xs, dys)
+    outputs, grads = _step_in_a_block(model, block, xs, dys, kind)
 
     x_valid = _gathered(xs, masks).requires_grad_()
     expected = reference(x_valid)
@@ -920,10 +980,11 @@ def test_replicas_under_masking_none_run_unmasked_and_another_scatter_dim_is_ref
     unmasked = forward(None)
     for ours, theirs in zip(forward(syncbn.masking(None)), unmasked):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    scattering_dim_1 = DataParallelWithCallback(model, dim=1)
-    scattering_dim_1.dim = 1  # what DataParallel sets where CUDA is available
-    with pytest.raises(ValueError, match="along dim=1"), syncbn.masking(torch.ones(5, 6) > 0):
-        scattering_dim_1.parallel_apply(replicate(model, 2), [(x,) for x in xs], None)
+    for kind in ("with-callback", "patched"):
+        scattering_dim_1 = _wrapped(kind, model)
+        scattering_dim_1.dim = 1  # what DataParallel(dim=1) sets where CUDA is available
+        with pytest.raises(ValueError, match="along dim=1"), syncbn.masking(torch.ones(5, 6) > 0):
+            scattering_dim_1.parallel_apply(replicate(model, 2), [(x,) for x in xs], None)
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -8,7 +8,8 @@ called *without* a mask takes this one, exactly as if it had been passed.
 The block's mask is thread-local, like ``torch.autocast``'s state: it reaches the layers
 that the entering thread calls. A layer called in another thread while a block is open
 somewhere (``torch.nn.DataParallel`` runs its replicas in threads) raises rather than
-run unmasked; :class:`syncbn.data_parallel.DataParallelWithCallback` opens a block in each
+run unmasked; :class:`syncbn.data_parallel.DataParallelWithCallback` (and a DataParallel
+patched by :func:`syncbn.data_parallel.patch_replication_callback`) opens a block in each
 replica's thread with that replica's share of the mask (:func:`replica_blocks`). A forward
 that activation checkpointing recomputes in backward must find a block (with a mask of the
 same shape) where its first run found one, and none where it found none: ``backward``
@@ -58,10 +59,10 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         runs its replicas in threads) raises a ``RuntimeError`` instead of running
         unmasked: pass the mask to such layers, or open a block (``masking(None)`` for no
         mask) in the thread that calls them.
-        :class:`syncbn.data_parallel.DataParallelWithCallback` does the latter for its
-        replicas: each replica's thread opens a block with the replica's chunk of the
-        mask along dim 0, as DataParallel chunks the inputs (a mask broadcast over the
-        batch, ``(1, L)`` or ``(L,)``, whole).
+        :class:`syncbn.data_parallel.DataParallelWithCallback` (or a patched
+        DataParallel) does the latter for its replicas: each replica's thread opens a
+        block with the replica's chunk of the mask along dim 0, as DataParallel chunks
+        the inputs (a mask broadcast over the batch, ``(1, L)`` or ``(L,)``, whole).
 
     .. note::
         With activation checkpointing (eager mode), a forward recomputed in backward

@@ -25,15 +25,16 @@ gradients flow through the global statistics. The only difference from
 replica threads instead of a ``torch.distributed`` all_reduce.
 
 Every wait is bounded by the layer's ``sync_timeout`` (seconds); a replica that fails
-(in the layer or, under :class:`DataParallelWithCallback`, anywhere in its forward)
-releases the other replicas at once with an error naming the failure.
+(in the layer or, under :class:`DataParallelWithCallback` or a patched DataParallel,
+anywhere in its forward) releases the other replicas at once with an error naming the
+failure.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -452,34 +453,76 @@ class DataParallelWithCallback(nn.DataParallel):
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
     ) -> list[Any]:
-        blocks = _masking.replica_blocks(len(replicas))
-        dim = getattr(self, "dim", 0)  # (unset by DataParallel on a machine without CUDA)
-        if blocks is not None and dim != 0:
-            raise ValueError(
-                "DataParallelWithCallback: a syncbn.masking block's mask is split among the "
-                "replicas along the batch dimension, dim 0, but this DataParallel scatters "
-                f"its inputs along dim={dim}; pass the mask to the layers instead"
-            )
-        replicas = _fail_fast(replicas)
-        if blocks is not None:  # each replica's thread opens a block of its own share
-            replicas = [_InBlock(replica, block) for replica, block in zip(replicas, blocks)]
-        try:
-            return super().parallel_apply(replicas, inputs, kwargs)
-        except BaseException:
-            # every replica has stopped, and the step's error is raised: the checks that
-            # its exchanges deferred (on GPUs) would fail the next step again, and the next
-            _protocol.discard_pending("replicas")
-            raise
+        return _apply_replicas(self, super().parallel_apply, replicas, inputs, kwargs)
+
+
+def _apply_replicas(
+    data_parallel: nn.DataParallel,
+    apply: Any,
+    replicas: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs: Any,
+) -> list[Any]:
+    """``apply(replicas, inputs, kwargs)`` (DataParallel's ``parallel_apply``) with the
+    replicas released at once when one raises, each in the caller's ``syncbn.masking``
+    block, its own share of it, where one is open."""
+    blocks = _masking.replica_blocks(len(replicas))
+    dim = getattr(data_parallel, "dim", 0)  # (unset by DataParallel on a machine without CUDA)
+    if blocks is not None and dim != 0:
+        raise ValueError(
+            f"{type(data_parallel).__name__}: a syncbn.masking block's mask is split among the "
+            "replicas along the batch dimension, dim 0, but this DataParallel scatters "
+            f"its inputs along dim={dim}; pass the mask to the layers instead"
+        )
+    replicas = _fail_fast(replicas)
+    if blocks is not None:  # each replica's thread opens a block of its own share
+        replicas = [_InBlock(replica, block) for replica, block in zip(replicas, blocks)]
+    try:
+        return list(apply(replicas, inputs, kwargs))
+    except BaseException:
+        # every replica has stopped, and the step's error is raised: the checks that
+        # its exchanges deferred (on GPUs) would fail the next step again, and the next
+        _protocol.discard_pending("replicas")
+        raise
+
+
+def _replicate_with_callbacks(
+    data_parallel: nn.DataParallel,
+    own: Callable[..., Any] | None,
+    module: nn.Module,
+    device_ids: Sequence[int | torch.device],
+) -> Any:
+    """A patched instance's ``replicate`` (:func:`patch_replication_callback`): its class's,
+    or the instance's ``own`` one that the patch found, then the callbacks."""
+    replicate = own or functools.partial(type(data_parallel).replicate, data_parallel)
+    replicas = replicate(module, device_ids)
+    execute_replication_callbacks(replicas)
+    return replicas
+
+
+def _parallel_apply_with_callbacks(
+    data_parallel: nn.DataParallel,
+    own: Callable[..., Any] | None,
+    replicas: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs: Any,
+) -> list[Any]:
+    """A patched instance's ``parallel_apply`` (:func:`patch_replication_callback`): its
+    class's, or the instance's ``own`` one, as :class:`DataParallelWithCallback` runs it."""
+    apply = own or functools.partial(type(data_parallel).parallel_apply, data_parallel)
+    return _apply_replicas(data_parallel, apply, replicas, inputs, kwargs)
 
 
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     """Make one ``torch.nn.DataParallel`` instance run the replication callbacks.
 
-    Monkey-patches ``data_parallel.replicate`` (of this instance only) so that every
-    replication is followed by :func:`execute_replication_callbacks`, for code that
-    uses its own DataParallel class. Patching twice is harmless. Prefer
-    :class:`DataParallelWithCallback`, which also releases waiting replicas at once
-    when one replica raises (here they wait for ``sync_timeout``).
+    Patches ``data_parallel.replicate`` and ``data_parallel.parallel_apply`` (of this
+    instance only, for code that uses its own DataParallel class) so that it does what
+    :class:`DataParallelWithCallback` does: every replication is followed by
+    :func:`execute_replication_callbacks`, a replica that raises releases the others at
+    once, and the replicas take their share of a :class:`syncbn.masking` block. The patched
+    instance still pickles (``torch.save(model)``) and copies (``copy.deepcopy``). Patching
+    twice is harmless.
 
     Args:
         data_parallel: the wrapper to patch.
@@ -498,20 +541,19 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
             "patch_replication_callback expects a torch.nn.DataParallel, got "
             f"{type(data_parallel).__name__}"
         )
-    if isinstance(data_parallel, DataParallelWithCallback) or getattr(
-        data_parallel.replicate, "_syncbn_callbacks", False
-    ):
+    if isinstance(data_parallel, DataParallelWithCallback):
         return
-    original = data_parallel.replicate
-
-    @functools.wraps(original)
-    def replicate(module: nn.Module, device_ids: Sequence[int | torch.device]) -> Any:
-        replicas = original(module, device_ids)
-        execute_replication_callbacks(replicas)
-        return replicas
-
-    replicate._syncbn_callbacks = True  # type: ignore[attr-defined]
-    data_parallel.replicate = replicate  # type: ignore[method-assign]
+    patches: dict[str, Callable[..., Any]] = {
+        "replicate": _replicate_with_callbacks,
+        "parallel_apply": _parallel_apply_with_callbacks,
+    }
+    for name, patch in patches.items():
+        own = data_parallel.__dict__.get(name)  # the instance's own, if it has one
+        if isinstance(own, functools.partial) and own.func is patch:
+            continue  # patched before
+        # a partial of a module-level function, not a closure: it pickles, and a deep
+        # copy's partial takes the copy (pickle and copy.deepcopy keep the reference cycle)
+        setattr(data_parallel, name, functools.partial(patch, data_parallel, own))
 
 
 _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] = (
