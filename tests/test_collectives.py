@@ -4,6 +4,7 @@ payload independent of world size; numerical stability of the cross-rank merge."
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, TypeVar
 
 import pytest
@@ -465,3 +466,21 @@ def test_a_data_parallel_replica_refuses_to_synchronize(pool2: WorkerPool) -> No
         assert result["train collectives"] == 0
         assert result["eval"] is True
         assert result["original collectives"] == 1
+
+
+def test_a_data_parallel_replica_without_a_group_warns_that_it_is_local() -> None:
+    """Without a group of several ranks a replica normalizes its own device's slice, as
+    torch.nn.SyncBatchNorm's would: a model converted to SyncBatchNorm and run in
+    nn.DataParallel is warned, once, that its replicas do not synchronize."""
+    bn = syncbn.SyncBatchNorm(3).double()
+    replica = bn._replicate_for_data_parallel()
+    for name, parameter in bn.named_parameters():  # replicate's copies: plain tensors
+        setattr(replica, name, parameter * 1)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="DataParallel replica, and there is no process group"):
+        output = replica(x)
+    torch.testing.assert_close(output, F.batch_norm(x, None, None, training=True), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bn(x)  # the layer itself, alone: plain BatchNorm, no warning
+        replica.eval()(x)  # eval mode: running statistics, as everywhere

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -37,6 +38,22 @@ def _data_parallel_replica_error() -> RuntimeError:
         "DistributedDataParallel with one process per device, or, to synchronize "
         "DataParallel's replicas, syncbn.data_parallel's layers "
         "(syncbn.data_parallel.convert_model(syncbn.revert_sync_batchnorm(model)))"
+    )
+
+
+def _warn_unsynchronized_replica() -> None:
+    """Warns, once per process (Python's default filter), that a ``torch.nn.DataParallel``
+    replica trains without a group of several ranks: each replica then normalizes its own
+    device's slice with that slice's statistics (as ``torch.nn.SyncBatchNorm`` does), which
+    is rarely what a model converted to SyncBatchNorm wants."""
+    warnings.warn(
+        "SyncBatchNorm: this layer is a torch.nn.DataParallel replica, and there is no "
+        "process group of several ranks: each replica normalizes its own device's slice "
+        "with that slice's statistics, not the whole batch's. To synchronize DataParallel's "
+        "replicas, use syncbn.data_parallel.convert_model(syncbn.revert_sync_batchnorm("
+        "model)); or DistributedDataParallel with one process per device",
+        UserWarning,
+        stacklevel=2,
     )
 
 
@@ -271,10 +288,13 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         if not self.training:
             return self._eval_forward(input, mask)
         synchronized = self._synchronizes()
+        if self.__dict__.get("_is_replica", False):
+            if synchronized:
+                raise _data_parallel_replica_error()
+            if not compiling:
+                _warn_unsynchronized_replica()
         if not synchronized and mask is None:
             return self._local_training_forward(input)
-        if synchronized and self.__dict__.get("_is_replica", False):
-            raise _data_parallel_replica_error()
         tracking = self.track_running_stats
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
