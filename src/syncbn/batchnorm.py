@@ -155,6 +155,10 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
 
     #: names the layer to the compiled ops (:func:`syncbn._compiled.site_tensor`)
     _site: torch.Tensor
+    #: true on the copies that ``torch.nn.DataParallel`` runs (torch's replicate sets it on
+    #: each); a class attribute, so that the check is a plain lookup, which dynamo traces
+    #: on every torch (``self.__dict__`` broke the graph on torch 2.1)
+    _is_replica: bool = False
 
     def __init__(
         self,
@@ -288,7 +292,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         if not self.training:
             return self._eval_forward(input, mask)
         synchronized = self._synchronizes()
-        if self.__dict__.get("_is_replica", False):
+        if self._is_replica:
             if synchronized:
                 raise _data_parallel_replica_error()
             if not compiling:
