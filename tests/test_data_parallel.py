@@ -476,6 +476,37 @@ def test_a_failure_of_the_masters_sum_releases_the_others() -> None:
     assert max(finished) < 10.0, finished  # not the 20 s timeout
 
 
+def test_a_gradient_penalty_through_replicas_equals_batchnorms() -> None:
+    """Double backward (``create_graph=True``, WGAN-GP's penalty) through the replicas:
+    the input gradient and the penalty's gradients of BatchNorm on the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), SynchronizedBatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    model = model.double()
+    reference = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    reference = reference.double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 3, dtype=torch.float64) * 2 + 1
+    leaves = [part.clone().requires_grad_() for part in split(x, [3, 2])]
+    replicas = replicate(model, 2)
+
+    def penalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = module(x)
+        (gradient,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.sum() + gradient.pow(2).sum()).backward()
+        return gradient.detach()
+
+    gradients, errors = in_threads(lambda i: penalized(replicas[i], leaves[i]), 2)
+    assert errors == [None, None]
+    whole = x.clone().requires_grad_()
+    expected = penalized(reference, whole)
+    torch.testing.assert_close(torch.cat(gradients), expected, **TOL)
+    torch.testing.assert_close(
+        torch.cat([cast(torch.Tensor, leaf.grad) for leaf in leaves]), whole.grad, **TOL
+    )
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, **TOL)
+
+
 def test_global_batch_of_one_value_raises_like_torch_on_every_replica() -> None:
     replicas = replicate(SynchronizedBatchNorm1d(3), 2)
     sizes = [1, 0]

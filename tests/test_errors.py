@@ -225,16 +225,19 @@ def test_gradcheck_at_world_size_one(pool2: WorkerPool) -> None:
 
 
 def _double_backward(rank: int, world_size: int, head_trainable: bool) -> tuple[str, str]:
-    """A gradient penalty through a synchronized layer, whose output feeds a trainable or a
-    frozen head (with a frozen one the output gradient needs no grad, and
-    ``once_differentiable`` returned second derivatives that were silently wrong)."""
+    """A gradient penalty through a masked synchronized layer, whose output feeds a
+    trainable or a frozen head (with a frozen one the output gradient needs no grad, and
+    ``once_differentiable`` returned second derivatives that were silently wrong).
+    Unmasked calls differentiate twice (tests/test_double_backward.py)."""
     torch.manual_seed(rank)
     bn = syncbn.SyncBatchNorm(3).double()
     head = torch.nn.Linear(3, 1).double().requires_grad_(head_trainable)
-    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(4, 5) < 0.8
 
     def penalty() -> None:
-        (gradient,) = torch.autograd.grad(head(bn(x)).sum(), x, create_graph=True)
+        output = bn(x, mask).transpose(1, 2)
+        (gradient,) = torch.autograd.grad(head(output).sum(), x, create_graph=True)
         gradient.pow(2).sum().backward()
 
     result = outcome(penalty)
@@ -248,7 +251,9 @@ def _double_backward(rank: int, world_size: int, head_trainable: bool) -> tuple[
 
 
 @pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
-def test_double_backward_raises_on_every_rank(pool2: WorkerPool, head_trainable: bool) -> None:
+def test_masked_double_backward_raises_on_every_rank(
+    pool2: WorkerPool, head_trainable: bool
+) -> None:
     for kind, message in pool2.run(_double_backward, head_trainable):
         assert kind == "RuntimeError", message
         assert "trying to differentiate twice" in message and "create_graph=True" in message

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from syncbn import _protocol, _stats, distributed
 from syncbn._composite import mask_problem, valid_positions
+from syncbn._double_backward import differentiable_backward
 from syncbn._kernels import LocalMoments, fused_finalize_for, kernels_for, takes_triton_passes
 from syncbn._kernels.generic import (
     corrected_input_grad,
@@ -59,6 +60,7 @@ __all__ = [
     "reducer_for",
     "resolve_mode",
     "sync_batch_norm_train",
+    "sum_over_participants",
     "synchronize_grads",
 ]
 
@@ -534,16 +536,37 @@ def reduce_forward(
 
 
 def synchronize_grads(
-    buffer: torch.Tensor, options: TrainOptions, device: torch.device
+    buffer: torch.Tensor, options: TrainOptions, device: torch.device, phase: str = "backward"
 ) -> torch.Tensor:
-    """All-reduce a packed backward buffer and check it; the ``(2, C)`` global sums."""
-    buffer = options.reducer.all_reduce(buffer, "backward")
-    check = options.header_check("backward")
+    """All-reduce a packed backward buffer and check it; the ``(2, C)`` global sums.
+
+    ``phase`` names the collective (a second backward's: :mod:`syncbn._double_backward`).
+    """
+    buffer = options.reducer.all_reduce(buffer, phase)
+    check = options.header_check(phase)
     if _protocol.resolve_check_mode(options.layer.check_mode, device) == "immediate":
         _protocol.check_now(buffer, check)
     else:
         _protocol.defer_check(buffer, check, dissolved=options.reducer.dissolved_test())
     return _protocol.backward_totals(buffer)
+
+
+def sum_over_participants(local: torch.Tensor, phase: str, options: TrainOptions) -> torch.Tensor:
+    """A ``(2, C)`` tensor summed over the participants in one checked collective of the
+    backward's layout: a differentiable backward's (:mod:`syncbn._double_backward`).
+
+    Outside the first backward (``phase`` ``"backward"``), the fingerprint names the phase
+    too, so that ranks in different phases fail the check instead of summing each other's
+    gradients.
+    """
+    if phase != "backward":
+        layer = options.layer
+        options = options._replace(layer=layer._replace(name=f"{layer.name} [{phase}]"))
+    device = local.device
+    with join_on_error(options, phase, device):
+        flat = local.detach().reshape(-1).to(_protocol.PACK_DTYPE)
+        buffer = _protocol.pack_backward_sums(flat, options.layer.fingerprint)
+    return synchronize_grads(buffer, options, device, phase).to(local.dtype, copy=True)
 
 
 def forward_train(
@@ -771,8 +794,9 @@ def backward_train(
 
     The collective happens only when the input needs a gradient, which is the same on
     every rank. An exception before it joins it with the error flag, as in forward: so
-    does a backward asked for a differentiable result (``create_graph``), which this one
-    cannot give (:func:`double_backward_error`).
+    does a masked backward asked for a differentiable result (``create_graph``), which this
+    one cannot give (:func:`double_backward_error`; an unmasked one is
+    :func:`syncbn._double_backward.differentiable_backward`).
     A masked call (``valid``) zeroes the output gradient at padded positions first
     (whatever it holds there, it then adds nothing to the sums; ``input`` is the forward's
     :attr:`ForwardResult.backward_input`, already zero there); the kernels' input gradient
@@ -842,18 +866,21 @@ def backward_train(
 
 
 def double_backward_error() -> RuntimeError:
-    """The error of a synchronized or masked backward run with ``create_graph=True``.
+    """The error of a masked backward run with ``create_graph=True``.
 
-    Its gradients are computed once, with no graph: differentiating them again (a gradient
-    penalty through the layer) would treat them as constants. ``once_differentiable`` raises
-    only when the output gradient itself requires grad, and returns silently wrong second
-    derivatives when it does not (a frozen head after the layer); this raises in both cases.
+    Its gradients are computed once, with no graph, from a copy of the input that is zero
+    at padded positions and has no autograd history: differentiating them again (a
+    gradient penalty through the layer) would treat them as constants.
+    ``once_differentiable`` raises only when the output gradient itself requires grad, and
+    returns silently wrong second derivatives when it does not (a frozen head after the
+    layer); this raises in both cases. An unmasked call differentiates twice
+    (:mod:`syncbn._double_backward`).
     """
     return RuntimeError(
-        "SyncBatchNorm: trying to differentiate twice: the synchronized (or masked) backward "
-        "is differentiable once, and backward was called with create_graph=True (double "
-        "backward, as a gradient penalty through the layer needs, is not supported). Without "
-        "a process group and without a mask the layer is torch's BatchNorm, which supports it"
+        "SyncBatchNorm: trying to differentiate twice: a masked call's backward is "
+        "differentiable once, and backward was called with create_graph=True (double "
+        "backward, as a gradient penalty through the layer needs, is supported for "
+        "unmasked calls only)"
     )
 
 
@@ -875,7 +902,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
-        ctx.save_for_backward(result.backward_input, result.saved, result.valid, result.shift)
+        # the weight too, for a backward with create_graph=True (its gradients depend on it)
+        saved = (result.backward_input, result.saved, result.valid, result.shift, weight)
+        ctx.save_for_backward(*saved)
         ctx.count = result.global_count
         ctx.options = options
         ctx.param_dtypes = (
@@ -890,19 +919,36 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         # grad mode is on in backward exactly when it runs with create_graph=True
         create_graph = torch.is_grad_enabled()
-        input, saved, valid, shift = ctx.saved_tensors
-        with torch.no_grad():
-            grad_input, grad_weight, grad_bias = backward_train(
+        input, saved, valid, shift, weight = ctx.saved_tensors
+        needs_grad = tuple(ctx.needs_input_grad[:3])
+        if create_graph and valid is None:  # a differentiable backward: a gradient penalty
+            # with Triton's passes, the saved mean is that of the input minus the shift
+            mean = saved[0] if shift is None else saved[0] + shift.to(saved.dtype)
+            options = ctx.options
+            grad_input, grad_weight, grad_bias = differentiable_backward(
                 grad_output,
                 input,
-                saved,
+                weight,
+                mean,
+                saved[1],
                 ctx.count,
-                tuple(ctx.needs_input_grad[:3]),
-                ctx.options,
-                valid,
-                create_graph,
-                shift,
+                options.eps,
+                needs_grad,
+                functools.partial(sum_over_participants, options=options),
             )
+        else:
+            with torch.no_grad():
+                grad_input, grad_weight, grad_bias = backward_train(
+                    grad_output,
+                    input,
+                    saved,
+                    ctx.count,
+                    needs_grad,
+                    ctx.options,
+                    valid,
+                    create_graph,
+                    shift,
+                )
         weight_dtype, bias_dtype = ctx.param_dtypes
         return (
             grad_input,

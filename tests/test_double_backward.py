@@ -1,0 +1,135 @@
+"""Double backward (``create_graph=True``) through synchronized layers: a gradient penalty
+equals one process's on the global batch, and mismatched ranks raise."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+import torch
+from _gold import Tolerance
+from _harness import WorkerPool, outcome
+from torch import nn
+
+import syncbn
+from syncbn._cli.measure import Collective, count_collectives
+
+#: per world size, each rank's batch size: uneven, and on 3 ranks an empty one
+SIZES = {2: (3, 2), 3: (2, 0, 3)}
+TOL: Tolerance = {"rtol": 1e-9, "atol": 1e-11}
+
+
+def _model(head_trainable: bool, channels_last: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 1),
+        nn.BatchNorm2d(3, affine=False),
+        nn.Softplus(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 1),
+    ).double()
+    model[7].requires_grad_(head_trainable)
+    first = cast(nn.BatchNorm2d, model[1])
+    with torch.no_grad():  # weights away from 1, so that their derivatives show
+        first.weight.uniform_(0.5, 1.5)
+        first.bias.uniform_(-0.5, 0.5)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return model
+
+
+def _batch(total: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(total, 2, 4, 4, generator=gen, dtype=torch.float64) * 2 + 3
+
+
+def _penalized_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """WGAN-GP's step: the loss plus the squared input gradient, differentiated again."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (gradient,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (out.sum() + gradient.pow(2).sum()).backward()
+    return {
+        "input gradient": gradient.detach(),
+        "x.grad": x.grad,
+        **{f"{name}.grad": p.grad for name, p in model.named_parameters() if p.grad is not None},
+        **{name: buffer for name, buffer in model.named_buffers()},
+    }
+
+
+def _ranks_step(rank: int, world_size: int, head_trainable: bool, variant: str) -> dict[str, Any]:
+    sizes = SIZES[world_size]
+    start = sum(sizes[:rank])
+    x = _batch(sum(sizes))[start : start + sizes[rank]]
+    channels_last = variant == "channels_last"
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    model = syncbn.convert_sync_batchnorm(_model(head_trainable, channels_last))
+    if variant == "deferred":  # the accelerators' checks, on the CPU
+        for layer in model.modules():
+            if isinstance(layer, syncbn.SyncBatchNorm):
+                layer.check_mode = "deferred"
+    with count_collectives() as log:
+        result = _penalized_step(model, x)
+    result["collectives"] = list(log)
+    return result
+
+
+@pytest.mark.parametrize("variant", ["contiguous", "channels_last", "deferred"])
+@pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
+def test_a_gradient_penalty_equals_the_global_batchs(
+    pool: WorkerPool, head_trainable: bool, variant: str
+) -> None:
+    """Input gradients, the penalty's parameter gradients (summed over ranks, as DDP does)
+    and running statistics of one process on the global batch; a frozen head leaves the
+    output gradient without history, which once_differentiable got silently wrong."""
+    sizes = SIZES[pool.world_size]
+    results = pool.run(_ranks_step, head_trainable, variant)
+    expected = _penalized_step(_model(head_trainable), _batch(sum(sizes)))
+    starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
+    for rank, result in enumerate(results):
+        local = slice(starts[rank], starts[rank] + sizes[rank])
+        for key in ("input gradient", "x.grad"):
+            torch.testing.assert_close(result[key], expected[key][local], **TOL, msg=key)
+        # per layer: forward 1; the input gradient's backward (create_graph) 1; the last
+        # backward 1 for the loss and 2 for the penalty (the input gradient's sums, the
+        # statistics' gradients); each backward collective of the backward's size
+        forward, backward = (2 * 3 + 5) * 8, (2 * 3 + 4) * 8
+        assert (
+            result["collectives"]
+            == [Collective("all_reduce", forward)] * 2 + [Collective("all_reduce", backward)] * 8
+        ), result["collectives"]
+    for key, value in expected.items():
+        if key.endswith(".grad") and key != "x.grad":
+            total = sum(result[key] for result in results)
+            torch.testing.assert_close(total, value, **TOL, msg=key)
+        elif "running" in key or "num_batches" in key:
+            for result in results:
+                torch.testing.assert_close(result[key], value, **TOL, msg=key)
+
+
+def _mismatched(rank: int, world_size: int) -> tuple[str, str]:
+    """Rank 0 differentiates its input gradient again; rank 1 only its loss."""
+    model = syncbn.convert_sync_batchnorm(_model(True))
+    x = _batch(4)[2 * rank : 2 * rank + 2].requires_grad_()
+    out = model(x)
+
+    def step() -> None:
+        if rank == 0:
+            (gradient,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            gradient.pow(2).sum().backward()
+        else:  # a second plain backward: collectives of the same size, another phase
+            out.sum().backward(retain_graph=True)
+            out.sum().backward()
+
+    return outcome(step)
+
+
+def test_ranks_in_different_phases_raise(pool2: WorkerPool) -> None:
+    results = pool2.run(_mismatched)
+    for kind, message in results:
+        assert kind == "RuntimeError", message
+    assert "double backward" in results[0][1], results[0][1]
