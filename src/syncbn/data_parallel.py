@@ -458,7 +458,7 @@ class DataParallelWithCallback(nn.DataParallel):
 
 def _apply_replicas(
     data_parallel: nn.DataParallel,
-    apply: Any,
+    apply: Callable[..., Any],
     replicas: Sequence[nn.Module],
     inputs: Sequence[Any],
     kwargs: Any,
