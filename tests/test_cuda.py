@@ -20,6 +20,7 @@ from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from test_data_parallel import one_device_matches_batchnorm
 from test_ddp import _max_error, _train_ddp, _train_reference
+from test_double_backward import assert_equals_the_global_batch, penalized_ranks_step
 from test_kernels_cuda import counted_cuda_ops, expected_calls
 from test_masked import MaskedCase, _assert_matches, _run_masked
 from test_masking import _run_in_block
@@ -414,3 +415,11 @@ def test_a_masking_block_on_cuda_matches_the_gathered_reference(pool2: WorkerPoo
     (tests/test_masking.py), and compiled masked calls on CUDA are MASKED["inductor"]'s."""
     case = MaskedCase(sizes=(4, 3), valid=(0.6, 0.8), device="cuda")
     _assert_matches(case, pool2.run(_run_in_block, case, timeout=240.0))
+
+
+@pytest.mark.timeout(180)
+def test_a_gradient_penalty_on_cuda_two_ranks_through_gloo(pool2: WorkerPool) -> None:
+    """Double backward (create_graph=True) on CUDA, the checks deferred (CUDA's default),
+    against one process on the global batch on the CPU, as tests/test_double_backward.py."""
+    results = pool2.run(penalized_ranks_step, True, "contiguous", "cuda", timeout=120.0)
+    assert_equals_the_global_batch(results, True)

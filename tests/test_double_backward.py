@@ -60,34 +60,31 @@ def _penalized_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _ranks_step(rank: int, world_size: int, head_trainable: bool, variant: str) -> dict[str, Any]:
+def penalized_ranks_step(
+    rank: int, world_size: int, head_trainable: bool, variant: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """One rank's :func:`_penalized_step` of its share of the batch (also for
+    tests/test_cuda.py, on ``device``), what it returns on the CPU, and its collectives."""
     sizes = SIZES[world_size]
     start = sum(sizes[:rank])
-    x = _batch(sum(sizes))[start : start + sizes[rank]]
+    x = _batch(sum(sizes))[start : start + sizes[rank]].to(device)
     channels_last = variant == "channels_last"
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    model = syncbn.convert_sync_batchnorm(_model(head_trainable, channels_last))
+    model = syncbn.convert_sync_batchnorm(_model(head_trainable, channels_last)).to(device)
     if variant == "deferred":  # the accelerators' checks, on the CPU
         for layer in model.modules():
             if isinstance(layer, syncbn.SyncBatchNorm):
                 layer.check_mode = "deferred"
     with count_collectives() as log:
-        result = _penalized_step(model, x)
+        result = {key: value.cpu() for key, value in _penalized_step(model, x).items()}
     result["collectives"] = list(log)
     return result
 
 
-@pytest.mark.parametrize("variant", ["contiguous", "channels_last", "deferred"])
-@pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
-def test_a_gradient_penalty_equals_the_global_batchs(
-    pool: WorkerPool, head_trainable: bool, variant: str
-) -> None:
-    """Input gradients, the penalty's parameter gradients (summed over ranks, as DDP does)
-    and running statistics of one process on the global batch; a frozen head leaves the
-    output gradient without history, which once_differentiable got silently wrong."""
-    sizes = SIZES[pool.world_size]
-    results = pool.run(_ranks_step, head_trainable, variant)
+def assert_equals_the_global_batch(results: list[dict[str, Any]], head_trainable: bool) -> None:
+    """``penalized_ranks_step``'s results against one process on the global batch."""
+    sizes = SIZES[len(results)]
     expected = _penalized_step(_model(head_trainable), _batch(sum(sizes)))
     starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
     for rank, result in enumerate(results):
@@ -109,6 +106,18 @@ def test_a_gradient_penalty_equals_the_global_batchs(
         elif "running" in key or "num_batches" in key:
             for result in results:
                 torch.testing.assert_close(result[key], value, **TOL, msg=key)
+
+
+@pytest.mark.parametrize("variant", ["contiguous", "channels_last", "deferred"])
+@pytest.mark.parametrize("head_trainable", [True, False], ids=["trainable", "frozen"])
+def test_a_gradient_penalty_equals_the_global_batchs(
+    pool: WorkerPool, head_trainable: bool, variant: str
+) -> None:
+    """Input gradients, the penalty's parameter gradients (summed over ranks, as DDP does)
+    and running statistics of one process on the global batch; a frozen head leaves the
+    output gradient without history, which once_differentiable got silently wrong."""
+    results = pool.run(penalized_ranks_step, head_trainable, variant)
+    assert_equals_the_global_batch(results, head_trainable)
 
 
 def _mismatched(rank: int, world_size: int) -> tuple[str, str]:
