@@ -26,12 +26,12 @@ def _model(head_trainable: bool, channels_last: bool = False) -> nn.Module:
         nn.BatchNorm2d(3),
         nn.Tanh(),
         nn.Conv2d(3, 3, 1),
+        # straight into the head: a frozen head's output gradient here is a constant
         nn.BatchNorm2d(3, affine=False),
-        nn.Softplus(),
         nn.Flatten(),
         nn.Linear(3 * 4 * 4, 1),
     ).double()
-    model[7].requires_grad_(head_trainable)
+    model[6].requires_grad_(head_trainable)
     first = cast(nn.BatchNorm2d, model[1])
     with torch.no_grad():  # weights away from 1, so that their derivatives show
         first.weight.uniform_(0.5, 1.5)
@@ -115,7 +115,8 @@ def test_a_gradient_penalty_equals_the_global_batchs(
 ) -> None:
     """Input gradients, the penalty's parameter gradients (summed over ranks, as DDP does)
     and running statistics of one process on the global batch; a frozen head leaves the
-    output gradient without history, which once_differentiable got silently wrong."""
+    last layer's output gradient without history, the case that once_differentiable got
+    silently wrong."""
     results = pool.run(penalized_ranks_step, head_trainable, variant)
     assert_equals_the_global_batch(results, head_trainable)
 
