@@ -121,6 +121,37 @@ def test_a_gradient_penalty_equals_the_global_batchs(
     assert_equals_the_global_batch(results, head_trainable)
 
 
+def _hessian_vector_product(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The product of the loss's Hessian in the parameters with a fixed vector: the weight
+    gradients differentiated again (what sharpness measures and second-order methods do)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(2)
+    vector = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in parameters]
+    loss = model(x).pow(2).sum()
+    grads = torch.autograd.grad(loss, parameters, create_graph=True)
+    dot = torch.stack([(g * v.to(g.device)).sum() for g, v in zip(grads, vector)]).sum()
+    return [h.detach().cpu() for h in torch.autograd.grad(dot, parameters)]
+
+
+def _ranks_hessian_vector_product(rank: int, world_size: int) -> list[torch.Tensor]:
+    sizes = SIZES[world_size]
+    start = sum(sizes[:rank])
+    model = syncbn.convert_sync_batchnorm(_model(True))
+    return _hessian_vector_product(model, _batch(sum(sizes))[start : start + sizes[rank]])
+
+
+def test_a_hessian_vector_product_in_the_parameters_equals_the_global_batchs(
+    pool: WorkerPool,
+) -> None:
+    """Each rank's share (summed over ranks, as DDP sums gradients) of the product that one
+    process computes on the global batch: the weight gradients' derivatives too."""
+    results = pool.run(_ranks_hessian_vector_product)
+    expected = _hessian_vector_product(_model(True), _batch(sum(SIZES[pool.world_size])))
+    for index, value in enumerate(expected):
+        total = sum(result[index] for result in results)
+        torch.testing.assert_close(total, value, **TOL, msg=f"parameter {index}")
+
+
 def _mismatched(rank: int, world_size: int) -> tuple[str, str]:
     """Rank 0 differentiates its input gradient again; rank 1 only its loss."""
     model = syncbn.convert_sync_batchnorm(_model(True))
