@@ -433,14 +433,21 @@ def test_a_subgroup_synchronizes_its_own_ranks_only(pool3: WorkerPool, compiled:
         assert not torch.allclose(results[0][key], results[1][key]), key
 
 
+def _replica_of(bn: syncbn.SyncBatchNorm) -> syncbn.SyncBatchNorm:
+    """``bn`` copied as ``torch.nn.DataParallel`` copies it for each of several devices
+    (``torch.nn.parallel.replicate`` calls this per module; its parameters plain tensors)."""
+    replica = bn._replicate_for_data_parallel()
+    for name, parameter in bn.named_parameters():
+        setattr(replica, name, parameter * 1)
+    return replica
+
+
 def _data_parallel_replica(rank: int, world_size: int) -> dict[str, Any]:
     """A layer copied as ``torch.nn.DataParallel`` copies it for each of several devices
     (``torch.nn.parallel.replicate`` calls this per module), trained over a process group
     of 2 ranks; then in eval mode, and the original layer."""
     bn = syncbn.SyncBatchNorm(3)
-    replica = bn._replicate_for_data_parallel()
-    for name, parameter in bn.named_parameters():  # replicate's copies: plain tensors
-        setattr(replica, name, parameter * 1)
+    replica = _replica_of(bn)
     x = torch.randn(2, 3, 4, 4)
     with count_collectives() as log:
         outcome: dict[str, Any] = {}
@@ -473,9 +480,7 @@ def test_a_data_parallel_replica_without_a_group_warns_that_it_is_local() -> Non
     torch.nn.SyncBatchNorm's would: a model converted to SyncBatchNorm and run in
     nn.DataParallel is warned, once, that its replicas do not synchronize."""
     bn = syncbn.SyncBatchNorm(3).double()
-    replica = bn._replicate_for_data_parallel()
-    for name, parameter in bn.named_parameters():  # replicate's copies: plain tensors
-        setattr(replica, name, parameter * 1)
+    replica = _replica_of(bn)
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     with pytest.warns(UserWarning, match="DataParallel replica, and there is no process group"):
         output = replica(x)

@@ -46,6 +46,13 @@ def _batch(total: int) -> torch.Tensor:
     return torch.randn(total, 2, 4, 4, generator=gen, dtype=torch.float64) * 2 + 3
 
 
+def _share(rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s samples of the global batch of :data:`SIZES`."""
+    sizes = SIZES[world_size]
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
 def _penalized_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     """WGAN-GP's step: the loss plus the squared input gradient, differentiated again."""
     x = x.clone().requires_grad_()
@@ -65,9 +72,7 @@ def penalized_ranks_step(
 ) -> dict[str, Any]:
     """One rank's :func:`_penalized_step` of its share of the batch (also for
     tests/test_cuda.py, on ``device``), what it returns on the CPU, and its collectives."""
-    sizes = SIZES[world_size]
-    start = sum(sizes[:rank])
-    x = _batch(sum(sizes))[start : start + sizes[rank]].to(device)
+    x = _batch(sum(SIZES[world_size]))[_share(rank, world_size)].to(device)
     channels_last = variant == "channels_last"
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -84,11 +89,9 @@ def penalized_ranks_step(
 
 def assert_equals_the_global_batch(results: list[dict[str, Any]], head_trainable: bool) -> None:
     """``penalized_ranks_step``'s results against one process on the global batch."""
-    sizes = SIZES[len(results)]
-    expected = _penalized_step(_model(head_trainable), _batch(sum(sizes)))
-    starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
+    expected = _penalized_step(_model(head_trainable), _batch(sum(SIZES[len(results)])))
     for rank, result in enumerate(results):
-        local = slice(starts[rank], starts[rank] + sizes[rank])
+        local = _share(rank, len(results))
         for key in ("input gradient", "x.grad"):
             torch.testing.assert_close(result[key], expected[key][local], **TOL, msg=key)
         # per layer: forward 1; the input gradient's backward (create_graph) 1; the last
@@ -134,10 +137,8 @@ def _hessian_vector_product(model: nn.Module, x: torch.Tensor) -> list[torch.Ten
 
 
 def _ranks_hessian_vector_product(rank: int, world_size: int) -> list[torch.Tensor]:
-    sizes = SIZES[world_size]
-    start = sum(sizes[:rank])
     model = syncbn.convert_sync_batchnorm(_model(True))
-    return _hessian_vector_product(model, _batch(sum(sizes))[start : start + sizes[rank]])
+    return _hessian_vector_product(model, _batch(sum(SIZES[world_size]))[_share(rank, world_size)])
 
 
 def test_a_hessian_vector_product_in_the_parameters_equals_the_global_batchs(

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from syncbn._kernels.generic import channel_view
+
 __all__ = [
     "GRADIENT_SUMS_PHASE",
     "STATISTICS_PHASE",
@@ -79,11 +81,6 @@ class SumOfGradients(torch.autograd.Function):
         return GlobalSum.apply(grad, ctx.summation, STATISTICS_PHASE), None
 
 
-def _channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
-    """A ``(C,)`` vector in the broadcast shape ``(1, C, 1, ...)`` of ``ndim`` dimensions."""
-    return vector.view((1, -1) + (1,) * (ndim - 2))
-
-
 def differentiable_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -123,18 +120,18 @@ def differentiable_backward(
     dy = grad_output.to(dtype)
     if need_input:
         # the statistics as functions of this rank's input, their values unchanged
-        deviation = x - _channel_view(mean, ndim)
+        deviation = x - channel_view(mean, ndim)
         local = torch.stack([deviation.sum(dims), deviation.square().sum(dims)])
         change = SumOfGradients.apply(local - local.detach(), summation) / n
         mean = mean + change[0]
         var = var + change[1]
     invstd = (var + eps).rsqrt()
-    xhat = (x - _channel_view(mean, ndim)) * _channel_view(invstd, ndim)
+    xhat = (x - channel_view(mean, ndim)) * channel_view(invstd, ndim)
     sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
     grad_input = None
     if need_input:
         totals = GlobalSum.apply(torch.stack([sum_dy, sum_dy_xhat]), summation, "backward") / n
         scale = invstd if weight is None else weight.to(dtype) * invstd
-        corrected = dy - _channel_view(totals[0], ndim) - xhat * _channel_view(totals[1], ndim)
-        grad_input = (_channel_view(scale, ndim) * corrected).to(input.dtype)
+        corrected = dy - channel_view(totals[0], ndim) - xhat * channel_view(totals[1], ndim)
+        grad_input = (channel_view(scale, ndim) * corrected).to(input.dtype)
     return grad_input, sum_dy_xhat if need_weight else None, sum_dy if need_bias else None
