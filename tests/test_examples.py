@@ -19,6 +19,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from _launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -34,24 +35,21 @@ def _example() -> ModuleType:
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    # TMPDIR: torchrun's agent makes a temporary folder per launch (torchelastic_*), which
-    # it leaves behind; in the test's own folder, pytest removes it
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     if loopback:  # gloo binds this interface instead of the one the hostname resolves to
         env["GLOO_SOCKET_IFNAME"] = loopback[0]
     return env
 
 
-def _torchrun(*options: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPT)]
+def _torchrun(tmp_path: Path, *options: str) -> list[str]:
+    # --log-dir: the agent's folder for each launch in the test's own, which pytest removes
+    # (else a torchelastic_* folder left behind in /tmp). Not TMPDIR, which would move
+    # inductor's precompiled header too: built again at each launch (4-5 s)
+    log_dir = str(tmp_path / "torchelastic")
+    command = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={log_dir}", *options]
+    return command + [str(SCRIPT)]
 
 
 def _launch(tmp_path: Path, *commands: list[str]) -> str:
@@ -69,7 +67,7 @@ def _launch(tmp_path: Path, *commands: list[str]) -> str:
                     subprocess.Popen(
                         command,
                         cwd=ROOT,
-                        env=_env(tmp_path),
+                        env=_env(),
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # its own process group, to kill the workers too
@@ -136,7 +134,7 @@ def test_rejects_non_positive_sizes(
 def test_one_node(tmp_path: Path, compiled: bool) -> None:
     out = tmp_path / "out"
     options = TINY + ["--out", str(out)] + (["--compile"] if compiled else [])
-    output = _launch(tmp_path, _torchrun("--standalone", "--nproc_per_node=2") + options)
+    output = _launch(tmp_path, _torchrun(tmp_path, "--standalone", "--nproc_per_node=2") + options)
 
     norm = "syncbn.SyncBatchNorm, compiled," if compiled else "syncbn.SyncBatchNorm, batch"
     assert output.count(f"2 processes on cpu (gloo), {norm}") == 1, output
@@ -153,10 +151,11 @@ def test_one_node(tmp_path: Path, compiled: bool) -> None:
 def test_two_nodes_on_loopback(tmp_path: Path, sync: bool) -> None:
     out = tmp_path / "out"
     agent = _torchrun(
+        tmp_path,
         "--nnodes=2",
         "--nproc_per_node=2",
         "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         f"--rdzv_id={tmp_path.name}",
         "--local_addr=127.0.0.1",
     )
