@@ -48,11 +48,11 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(tmp_path: Path, *options: str) -> list[str]:
-    # --log-dir: the agent's folder for each launch in the test's own, which pytest removes
+    # --log_dir: the agent's folder for each launch in the test's own, which pytest removes
     # (else a torchelastic_* folder left behind in /tmp). Not TMPDIR, which would move
     # inductor's precompiled header too: built again at each launch (4-5 s)
     log_dir = str(tmp_path / "torchelastic")
-    command = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={log_dir}", *options]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--log_dir={log_dir}", *options]
     return command + [str(SCRIPT)]
 
 
