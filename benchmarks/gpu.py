@@ -2,7 +2,9 @@
 
 Needs a CUDA GPU (and torchvision for the resnet50 step). Writes ``gpu.md`` and ``gpu.json``
 beside this file (or into ``--out``) after every part; a part that fails is recorded as an
-error and the others still run (exit code 1 then). Four parts, each in its own processes:
+error and the others still run (exit code 1 then). The ``layers`` and ``masked`` parts write
+each row as they measure it, so that one cut short by ``--timeout`` (or a crash) keeps the
+rows measured before, marked "cut short". Five parts, each in its own processes:
 
 - ``layers``: forward+backward of one layer at the BatchNorm shapes of ResNet-50 at batch
   32, float32 / bfloat16 / float16 input (float32 parameters), NCHW and channels_last. Device
@@ -192,12 +194,37 @@ def _layer_cases(quick: bool) -> list[tuple[int, int, str, bool]]:
     ]
 
 
-def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[dict[str, Any]]:
+def _keep_row(rows: list[dict[str, Any]], row: dict[str, Any], rows_file: str | None) -> None:
+    """Append ``row`` to ``rows``, and as a line of JSON to ``rows_file`` where one is given:
+    what a part cut short keeps (:func:`_rows_so_far`)."""
+    rows.append(row)
+    if rows_file is not None:
+        with open(rows_file, "a") as file:
+            file.write(json.dumps(row) + "\n")
+
+
+def _rows_so_far(rows_file: Path) -> list[dict[str, Any]]:
+    """The rows that :func:`_keep_row` wrote to ``rows_file``, up to a last line cut short
+    (a rank killed while writing it)."""
+    if not rows_file.exists():
+        return []
+    rows: list[dict[str, Any]] = []
+    for line in rows_file.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _layers_rank(
+    rank: int, world_size: int, quick: bool, alone: bool, rows_file: str | None = None
+) -> list[dict[str, Any]]:
     torch.cuda.set_device(0)
     group = dist.new_group([rank], backend="nccl") if alone else None
     if alone and world_size > 1:
         raise ValueError("the single-process part runs on one rank")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for channels, size, dtype, channels_last in _layer_cases(quick):
         x = torch.randn(32, channels, size, size, device="cuda", dtype=DTYPES[dtype])
         if channels_last:
@@ -221,7 +248,7 @@ def _layers_rank(rank: int, world_size: int, quick: bool, alone: bool) -> list[d
                 return _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
 
             row[kind] = _measured_with(kind, measure)
-        rows.append(row)
+        _keep_row(rows, row, rows_file)
     return rows
 
 
@@ -323,6 +350,7 @@ def _masked_rows(
     device: torch.device,
     shapes: list[tuple[int, ...]],
     timer: Callable[[Callable[[], object]], dict[str, float]],
+    rows_file: str | None = None,
 ) -> list[dict[str, Any]]:
     """Per shape and dtype, ``timer``'s numbers for an unmasked and a masked call of a
     synchronized layer, on the generic kernels (``syncbn``), the fused ones
@@ -330,7 +358,7 @@ def _masked_rows(
     (``syncbn-finalize``: deferred calls' per-channel maths and passes over the data;
     ``syncbn-finalize-generic-passes``: with the generic kernels' passes), whose failure
     (no Triton, a compilation) is recorded in its cells."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for shape in shapes:
         for dtype in MASKED_DTYPES:
             x = torch.randn(shape, device=device, dtype=DTYPES[dtype]).requires_grad_()
@@ -351,11 +379,13 @@ def _masked_rows(
                         torch.autograd.grad(y, (x, *layer.parameters()), dy)
 
                     row[f"{kernels} {name}"] = _measured_with(kernels, lambda: timer(call))
-            rows.append(row)
+            _keep_row(rows, row, rows_file)
     return rows
 
 
-def _masked_rank(rank: int, world_size: int, quick: bool) -> list[dict[str, Any]]:
+def _masked_rank(
+    rank: int, world_size: int, quick: bool, rows_file: str | None = None
+) -> list[dict[str, Any]]:
     torch.cuda.set_device(0)
     group = dist.new_group([rank], backend="nccl")
     shapes = MASKED_SHAPES[1:] if quick else MASKED_SHAPES
@@ -365,7 +395,11 @@ def _masked_rank(rank: int, world_size: int, quick: bool) -> list[dict[str, Any]
         return _time(call, iterations)
 
     return _masked_rows(
-        lambda channels: _layer("syncbn", channels, group), torch.device("cuda"), shapes, timer
+        lambda channels: _layer("syncbn", channels, group),
+        torch.device("cuda"),
+        shapes,
+        timer,
+        rows_file,
     )
 
 
@@ -425,6 +459,9 @@ def _render(results: dict[str, Any]) -> str:
     for part in PARTS:
         if isinstance(results.get(part), dict) and "error" in results[part]:
             lines += [f"## {part}: failed", "", f"    {results[part]['error']}", ""]
+        elif f"{part} cut short" in results:
+            note = f"## {part}: cut short; the rows it measured before are in its table below"
+            lines += [note, "", f"    {results[f'{part} cut short']}", ""]
     if "layers" in results and "error" not in results["layers"]:
         lines += [
             "## Per layer, forward+backward, batch 32 (device ms / host ms / syncs per call)",
@@ -563,15 +600,17 @@ def _render_compiled(entries: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _run_part(part: str, quick: bool, timeout: float) -> Any:
+def _run_part(part: str, quick: bool, timeout: float, rows_file: str | None = None) -> Any:
+    """One part's results; ``layers`` and ``masked`` also write each row to ``rows_file`` as
+    they measure it (see :func:`_keep_row`)."""
     if part == "layers":
-        return run_on_ranks(_layers_rank, 1, quick, True, timeout=timeout)[0]
+        return run_on_ranks(_layers_rank, 1, quick, True, rows_file, timeout=timeout)[0]
     if part == "step":
         return run_on_ranks(_step_rank, 1, quick, timeout=timeout)[0]
     if part == "compile":
         return _compiled_steps(quick, timeout)
     if part == "masked":
-        return run_on_ranks(_masked_rank, 1, quick, timeout=timeout)[0]
+        return run_on_ranks(_masked_rank, 1, quick, rows_file, timeout=timeout)[0]
     return run_on_ranks(_layers_rank, 2, True, False, timeout=timeout)
 
 
@@ -593,16 +632,27 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": machine_info()}
     for part in args.parts:
+        rows_file = args.out / f"{part}-rows.jsonl"
+        rows_file.unlink(missing_ok=True)
         # one part's failure (a missing torchvision, a crash) keeps the others' numbers
         try:
-            results[part] = _run_part(part, args.quick, args.timeout)
+            results[part] = _run_part(part, args.quick, args.timeout, str(rows_file))
         except Exception as error:  # noqa: BLE001 - recorded in the results and reported
-            results[part] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+            message = f"{type(error).__name__}: {str(error)[:500]}"
+            rows = _rows_so_far(rows_file)
+            if rows:  # cut short (its time was up, a crash): the rows measured before
+                results[part] = rows
+                results[f"{part} cut short"] = message
+            else:
+                results[part] = {"error": message}
+        finally:
+            rows_file.unlink(missing_ok=True)
         # written after every part, so that a run cut short keeps what it measured
         (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
         (args.out / "gpu.md").write_text(_render_or_say_why(results))
     print(_render_or_say_why(results))
-    return 1 if any("error" in results[part] for part in args.parts) else 0
+    failed = [part for part in args.parts if "error" in results[part]]
+    return 1 if failed or any(f"{part} cut short" in results for part in args.parts) else 0
 
 
 if __name__ == "__main__":

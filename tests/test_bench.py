@@ -469,10 +469,11 @@ def test_masked_benchmark_times_unmasked_and_masked_calls(monkeypatch: pytest.Mo
     assert 0.5 < calls.count(None) / calls.count((8, 20)) < 2.0
 
 
-def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
+def test_gpu_masked_part_times_both_kernel_sets_masked_and_not(tmp_path: Path) -> None:
     """benchmarks/gpu.py's masked part, run on the CPU with a wall-clock timer (the GPU
     session runs it with CUDA events): one row per shape and dtype, four timed variants,
-    the candidate kernels switched off afterwards, and a rendered table row per row."""
+    the candidate kernels switched off afterwards, a rendered table row per row, and each
+    row written to the rows file as it is measured (what a part cut short keeps)."""
     from syncbn import _kernels
 
     gpu = _load("gpu")
@@ -485,7 +486,11 @@ def test_gpu_masked_part_times_both_kernel_sets_masked_and_not() -> None:
         return {"device_ms": (time.perf_counter() - start) * 1e3 + 1e-6, "host_ms": 0.0}
 
     shapes = [(4, 3, 5), (2, 3, 4, 4)]
-    rows = gpu._masked_rows(syncbn.SyncBatchNorm, torch.device("cpu"), shapes, timer)
+    rows_file = tmp_path / "masked-rows.jsonl"
+    rows = gpu._masked_rows(
+        syncbn.SyncBatchNorm, torch.device("cpu"), shapes, timer, str(rows_file)
+    )
+    assert gpu._rows_so_far(rows_file) == rows
     assert [(row["shape"], row["dtype"]) for row in rows] == [
         (shape, dtype) for shape in ("4x3x5", "2x3x4x4") for dtype in gpu.MASKED_DTYPES
     ]
@@ -510,6 +515,46 @@ def test_gpu_probe_calibrates_host_costs(monkeypatch: pytest.MonkeyPatch) -> Non
     costs = probe.calibrate(torch.device("cpu"), lines.append)
     assert len(costs) == 3 and all(cost > 0 for cost in costs.values()), costs
     assert [line.endswith("us host per call") for line in lines] == [True] * 3, lines
+
+
+def test_a_gpu_part_cut_short_keeps_the_rows_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/gpu.py's main: a part that runs past its time (run_on_ranks raises
+    TimeoutError after killing the ranks) keeps the rows written before, up to a line cut
+    mid-write, and says so in gpu.md and its exit status; a part that wrote none is an
+    error; the rows files are gone afterwards."""
+    gpu = _load("gpu")
+    timing: dict[str, Any] = {"device_ms": 2.0, "host_ms": 0.5}
+    row: dict[str, Any] = {"shape": "32x256x400", "dtype": "float32"} | {
+        f"{k} {m}": timing for k in gpu.MASKED_KERNELS for m in ("unmasked", "masked")
+    }
+
+    def cut_short(part: str, quick: bool, timeout: float, rows_file: str) -> Any:
+        if part == "masked":
+            rows: list[dict[str, Any]] = []
+            gpu._keep_row(rows, row, rows_file)
+            gpu._keep_row(rows, row | {"dtype": "bfloat16"}, rows_file)
+            with open(rows_file, "a") as file:
+                file.write('{"shape": "32x64x1')  # the rank was killed while writing
+        raise TimeoutError(f"ranks still running after {timeout:.0f} s")
+
+    monkeypatch.setattr(gpu, "_run_part", cut_short)
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "machine_info", lambda: {"date": "d", "cuda": "c", "torch": "t"})
+    masked, step = tmp_path / "masked", tmp_path / "step"
+    assert gpu.main(["--parts", "masked", "--out", str(masked), "--timeout", "9"]) == 1
+    results = json.loads((masked / "gpu.json").read_text())
+    assert [r["dtype"] for r in results["masked"]] == ["float32", "bfloat16"]
+    assert results["masked cut short"] == "TimeoutError: ranks still running after 9 s"
+    text = (masked / "gpu.md").read_text()
+    assert "## masked: cut short" in text
+    assert sum(line.startswith("| 32x256x400 |") for line in text.splitlines()) == 2
+    assert sorted(path.name for path in masked.iterdir()) == ["gpu.json", "gpu.md"]
+    assert gpu.main(["--parts", "step", "--out", str(step), "--timeout", "9"]) == 1
+    results = json.loads((step / "gpu.json").read_text())
+    assert results["step"] == {"error": "TimeoutError: ranks still running after 9 s"}
+    assert "## step: failed" in (step / "gpu.md").read_text()
 
 
 def test_gpu_results_of_every_part_render() -> None:
