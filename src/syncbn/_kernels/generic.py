@@ -181,6 +181,9 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.flatten(2)[index // length, :, index % length].reshape(x.shape[1])
 
 
+#: the dtypes whose sums torch's CUDA kernels accumulate in the data's own dtype
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+
 #: the integer dtype of each floating dtype's width, for :func:`zero_padded`
 _SAME_WIDTH_INT = {
     torch.float64: torch.int64,
@@ -438,12 +441,20 @@ def backward_reduce(
     Both come from one fused pass of ``native_batch_norm_backward`` in eval mode, which
     returns exactly these sums as the bias and weight gradients.
 
+    Low-precision data (float16, bfloat16) off the CPU is summed from float32 copies: torch's
+    CUDA kernel accumulates such data in its own dtype (torch 2.11 on an H200, 2026-12-04:
+    a bfloat16 bias gradient 0.1855 against the exact 0.1213, where float32 copies of the
+    same data, and the CPU kernel, are exact; ``benchmarks/gpu_probe.py``). The copies cost
+    two conversion passes; the CPU kernel accumulates in float32 and takes the data as is.
+
     Returns:
         ``(sum_dy, sum_dy_xhat)`` in the statistics dtype, shape ``(C,)``.
     """
     if input.numel() == 0:
         zeros = mean.new_zeros(mean.shape)
         return zeros, zeros.clone()
+    if grad_output.device.type != "cpu" and grad_output.dtype in _LOW_PRECISION:
+        grad_output, input = grad_output.to(mean.dtype), input.to(mean.dtype)
     _, ones, empty = constants(mean.numel(), mean.dtype, mean.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
