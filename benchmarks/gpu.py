@@ -414,7 +414,15 @@ def _compiled_step_rank(rank: int, world_size: int, quick: bool, kind: str, mode
     base, x, target = _resnet50_batch()
     model = _on_gpu(base, kind, group)
     compiled = torch.compile(model, fullgraph=True, mode=mode)
-    step = _training_step(model, compiled, x, target)
+    train_step = _training_step(model, compiled, x, target)
+
+    def step() -> None:
+        # each step a new generation of cudagraph trees, as torch advises for training
+        # loops: without it, "reduce-overhead" failed for cuDNN BatchNorm and syncbn alike
+        # on 2026-12-04 ("accessing tensor output of CUDAGraphs that has been overwritten")
+        torch.compiler.cudagraph_mark_step_begin()
+        train_step()
+
     start = time.perf_counter()
     step()
     torch.cuda.synchronize()

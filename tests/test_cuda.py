@@ -350,6 +350,12 @@ def _compiled_cuda(rank: int, world_size: int, mode: str) -> dict[str, Any]:
         # shape and record from a later one, so "reduce-overhead" replays graphs here
         for size in (4, 4, 4, 3, 3, 3, 4):
             x = torch.randn(size, 3, 8, 8, generator=gen).cuda()
+            if run is compiled and mode == "reduce-overhead":
+                # each step a new generation of cudagraph trees, as torch advises: without
+                # it the 2026-12-04 lease's backward read a replayed graph's overwritten
+                # output ("accessing tensor output of CUDAGraphs that has been overwritten"),
+                # and so did cuDNN BatchNorm's step in benchmarks/gpu.py
+                torch.compiler.cudagraph_mark_step_begin()
             run(x).square().sum().backward()
         results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return results
