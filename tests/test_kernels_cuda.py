@@ -296,8 +296,9 @@ def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
     device: str, dtype: torch.dtype
 ) -> None:
     """torch's CUDA ``native_batch_norm_backward`` accumulates float16 and bfloat16 data in
-    their own dtype (the first GPU lease's bfloat16 gold failures: a bias gradient of 0.1855
-    against 0.1213, exact from float32 copies; benchmarks/gpu_probe.py). The generic
+    their own dtype (both GPU leases' bfloat16 gold failures: a bias gradient of 0.1855
+    against 0.1213; the second lease's probe found it exact from float32 copies,
+    benchmarks/gpu_probe.py). The generic
     backward sums convert such data to float32 first off the CPU (here the meta device, for
     any device that is not the CPU), and pass it as it is to the CPU kernel, which is exact."""
     grad_output = torch.randn(4, 3, 2, 2).to(dtype).to(device)
