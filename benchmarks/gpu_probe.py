@@ -1,23 +1,31 @@
-"""GPU diagnostics for what the first GPU run left unexplained (issue 19), in one command.
+"""GPU diagnostics for what the GPU runs left unexplained (issue 19), in one command.
 
-1. ``bf16``: the CUDA gold tests with bfloat16 input and float32 parameters failed on the
-   bias gradient (step 1, channel 0: 0.1855 against 0.1213, identical on the generic and
-   fused kernels, immediate and deferred checks; float16 passed). For each rank's slice of
-   that case it prints the error of the per-channel ``sum(dy)`` computed four ways against
-   the exact sum: ``native_batch_norm_backward`` in eval mode (what syncbn's
-   ``backward_reduce`` calls) on the CPU and on CUDA, a plain ``sum`` on each, the bias
-   gradient of a syncbn layer (one rank, sync path forced) per slice and check mode, and
-   then each rank's bias gradient in the failing test itself (2 gloo ranks, CUDA tensors)
-   against the exact sum of its own output gradient: as the tests run, with
-   ``CUDA_LAUNCH_BLOCKING=1``, and with the all_reduce through a host copy (a race between
-   streams would show as errors in the first only).
+1. ``bf16`` (with ``--bf16`` only: the second run, 2026-12-04, answered it: torch's CUDA
+   eval-mode ``native_batch_norm_backward`` sums float16/bfloat16 data in their own dtype,
+   and syncbn's ``backward_reduce`` now sums float32 copies there): the CUDA gold tests with
+   bfloat16 input and float32 parameters failed on the bias gradient (step 1, channel 0:
+   0.1855 against 0.1213, identical on the generic and fused kernels, immediate and deferred
+   checks; float16 passed). For each rank's slice of that case it prints the error of the
+   per-channel ``sum(dy)`` computed four ways against the exact sum:
+   ``native_batch_norm_backward`` in eval mode (what syncbn's ``backward_reduce`` calls) on
+   the CPU and on CUDA, a plain ``sum`` on each, the bias gradient of a syncbn layer (one
+   rank, sync path forced) per slice and check mode, and then each rank's bias gradient in
+   the failing test itself (2 gloo ranks, CUDA tensors) against the exact sum of its own
+   output gradient: as the tests run, with ``CUDA_LAUNCH_BLOCKING=1``, and with the
+   all_reduce through a host copy (a race between streams would show as errors in the first
+   only).
 2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
    ms of host time per forward+backward call of one layer at every shape (the device
    waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
-   30 most expensive functions by own time (``prof-*.txt``), and ``torch.profiler``'s table
-   of 20 calls, host time per aten op and CUDA runtime call with counts (``ops-*.txt``),
-   per dtype, layout and check mode, and with ``syncbn._kernels.finalize`` (``-fused``: with
-   ``syncbn._kernels.triton_passes``; ``-fused-generic-passes``: without).
+   30 most expensive functions by own time and the 80 first by cumulative time
+   (``prof-*.txt``), ``torch.profiler``'s table of 20 calls, host time per aten op and CUDA
+   runtime call with counts (``ops-*.txt``), and the inclusive host time of each phase of a
+   call (:data:`PHASES`: checks, local moments, packing, collectives, per-channel maths,
+   element passes, deferred checks) timed without a profiler (the second run could not
+   place ~1.9 of its 2.6 ms per call from the profiles, whose own overhead inflates every
+   Python frame), per dtype, layout and check mode, and with ``syncbn._kernels.finalize``
+   (``-fused``: with ``syncbn._kernels.triton_passes``; ``-fused-generic-passes``:
+   without).
 3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
    ~2.2 ms into its causes: host time per aten op (a small in-place add), per nccl
    ``all_reduce`` of a forward buffer at world size 1, per Triton launch (a kernel of one
@@ -40,6 +48,7 @@
 Usage::
 
     python benchmarks/gpu_probe.py OUT          # OUT/probe.txt, OUT/prof-*.txt, OUT/ops-*.txt
+    python benchmarks/gpu_probe.py OUT --bf16   # the same, after the bf16 diagnostics
     python benchmarks/gpu_probe.py OUT --passes # OUT/probe.txt: the passes' sweep only
     python benchmarks/gpu_probe.py OUT --device cpu   # the same code on the CPU (a dry run)
 """
@@ -280,6 +289,114 @@ def _triton_launchers(device: torch.device) -> dict[str, Callable[[], object]] |
     }
 
 
+#: the functions whose inclusive host time per layer call :func:`phase_times` measures, by
+#: module: a call's phases (checks, local moments, packing, collectives, per-channel maths,
+#: the element passes, the deferred checks' transfers), so that a machine whose host time
+#: per call is unexplained (the GPU runs: ~2.6 ms, of which the aten calls predict 0.7)
+#: shows where it goes without a profiler's own overhead
+PHASES: dict[str, tuple[str, ...]] = {
+    "syncbn._autograd": (
+        "forward_train",
+        "resolve_mode",
+        "input_problem",
+        "reduce_forward",
+        "count_divisors",
+        "_converted",
+        "backward_train",
+        "synchronize_grads",
+        "_forward_on_fused_kernel",
+    ),
+    "syncbn._kernels.generic": ("local_moments", "normalize", "backward_reduce", "input_grad"),
+    "syncbn._stats": ("moments_from_divisors", "scale", "update_running_stats"),
+    "syncbn._protocol": (
+        "pack_forward",
+        "pack_backward",
+        "check_now",
+        "defer_check",
+        "raise_deferred",
+        "header_values",
+        "device_flags",
+    ),
+    "syncbn.distributed": ("all_reduce_sum_", "check_alive", "check_device_backend"),
+    # the candidates' (Triton), where imported
+    "syncbn._kernels.finalize": (
+        "pack_forward",
+        "finalize_forward",
+        "normalize",
+        "pack_backward",
+        "finalize_backward",
+    ),
+    "syncbn._kernels.triton_passes": ("shifted_sums", "normalize", "backward_reduce", "input_grad"),
+}
+
+
+@contextlib.contextmanager
+def _phase_timers() -> Iterator[dict[str, list[float]]]:
+    """Wrap each function of :data:`PHASES` with a timer, wherever a syncbn module holds it
+    (its own module, and those that imported it by name); yields ``{"module.function":
+    [calls, seconds]}`` (the module's last name), inclusive of what each calls; restores
+    every function on exit. A module not imported (Triton's, without Triton) is left out."""
+    totals: dict[str, list[float]] = {}
+    patched: list[tuple[Any, str, Any]] = []
+
+    def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        total = totals.setdefault(name, [0, 0.0])
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                total[0] += 1
+                total[1] += time.perf_counter() - start
+
+        return wrapper
+
+    modules = [module for name, module in sys.modules.items() if name.startswith("syncbn")]
+    try:
+        for module_name, names in PHASES.items():
+            if module_name not in sys.modules:
+                continue
+            for name in names:
+                original = getattr(sys.modules[module_name], name)
+                wrapper = timed(f"{module_name.rsplit('.', 1)[-1]}.{name}", original)
+                for module in modules:
+                    if getattr(module, name, None) is original:
+                        patched.append((module, name, original))
+                        setattr(module, name, wrapper)
+        yield totals
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def phase_times(
+    call: Callable[[], object], calls: int, synchronize: Callable[[], None]
+) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Host microseconds per ``call`` over ``calls`` calls, and per phase of
+    :data:`PHASES` that ran: ``(calls per call, inclusive host microseconds per call)``.
+    The timers' own cost (two clock reads and a Python call per phase call, ~1 us on a
+    slow host) is in the numbers."""
+    call()  # first-call caches filled
+    synchronize()
+    with _phase_timers() as totals:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = (time.perf_counter() - start) / calls
+    synchronize()
+    phases = {
+        name: (count / calls, seconds / calls * 1e6)
+        for name, (count, seconds) in totals.items()
+        if count
+    }
+    return host * 1e6, phases
+
+
+def _empty(*args: Any) -> None:
+    return None
+
+
 def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, float]:
     """Host microseconds per unit of work on this machine (see the module's docstring)."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -295,6 +412,17 @@ def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, flo
             torch.autograd.grad(bn(x), (x, *bn.parameters()), dy)
         ),
     }
+    # the interpreter's speed, which every Python line of a call scales with
+    units["Python call of an empty function of 8 arguments"] = lambda: _empty(*range(8))
+    if device.type == "cuda":  # what a deferred check adds per collective (_protocol)
+        header = torch.zeros(4, dtype=torch.float64, device=device)
+
+        def deferred_transfer() -> None:
+            host = torch.empty(header.shape, dtype=header.dtype, pin_memory=True)
+            host.copy_(header, non_blocking=True)
+            torch.cuda.Event().record(torch.cuda.current_stream(device))
+
+        units["deferred check's transfer (pinned buffer, copy, event)"] = deferred_transfer
     try:
         units.update(_triton_launchers(device) or {})
     except Exception as error:  # noqa: BLE001 - reported; the other units still count
@@ -374,7 +502,10 @@ def _profile(
     profiler.disable()
     synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    by_own_time = text.getvalue()
+    stats.sort_stats("cumulative").print_stats(80)  # every phase, with what it calls
     stem.with_name(f"prof-{stem.name}.txt").write_text(text.getvalue())
     # torch's view of the same calls: host time per aten op and per CUDA runtime call
     # (cudaLaunchKernel, cudaMemcpyAsync, cudaEventRecord ...), and their counts
@@ -395,7 +526,11 @@ def _profile(
     per_op = costs.get("aten op (in-place add of 256 values)")
     predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
     say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
-    say("\n".join(line for line in text.getvalue().splitlines()[:40] if line.strip()))
+    host_us, phases = phase_times(call, 50, synchronize)
+    say(f"  phases (inclusive host us per call; {host_us:.0f} us per call with the timers):")
+    for phase, (count, us) in phases.items():
+        say(f"    {phase}: {us:.1f} us in {count:g} calls")
+    say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
 
 
 #: the passes' sweep: ``(N, C, *positions)``, dtype, channels last; resnet50's largest and
@@ -554,6 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--passes", action="store_true", help="only the sweep of Triton's passes (no ranks)"
     )
+    parser.add_argument(
+        "--bf16", action="store_true", help="the bf16 diagnostics first (answered: see 1.)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -571,8 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(backend, init_method=f"file://{tmp}/r", rank=0, world_size=1)
         try:
-            probe_bf16(device, say)
-            probe_bf16_on_ranks(device, say)  # the failing tests' transport: gloo, CUDA tensors
+            if args.bf16:
+                probe_bf16(device, say)
+                probe_bf16_on_ranks(device, say)  # the failing tests' transport: gloo, CUDA
             costs = calibrate(device, say)
             profile_calls(device, args.out, say, costs)
         finally:

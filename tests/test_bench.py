@@ -513,8 +513,39 @@ def test_gpu_probe_calibrates_host_costs(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(probe.dist, "all_reduce", lambda buffer: buffer)
     lines: list[str] = []
     costs = probe.calibrate(torch.device("cpu"), lines.append)
-    assert len(costs) == 3 and all(cost > 0 for cost in costs.values()), costs
-    assert [line.endswith("us host per call") for line in lines] == [True] * 3, lines
+    assert len(costs) == 4 and all(cost > 0 for cost in costs.values()), costs
+    assert [line.endswith("us host per call") for line in lines] == [True] * 4, lines
+
+
+def test_gpu_probe_times_the_phases_of_a_call_and_restores_them() -> None:
+    """benchmarks/gpu_probe.py's phase timers on a CPU call (a process alone, masked: the
+    synchronized path without a process group): each phase of a forward and backward
+    counted as often as it runs, every inclusive time positive and within the call's, and
+    every wrapped function (in every module that holds it) the original again afterwards."""
+    from syncbn import _autograd, _kernels, _protocol, _stats
+
+    probe = _load("gpu_probe")
+    held = {
+        (module, name): getattr(module, name)
+        for module in (_autograd, _kernels.generic, _protocol, _stats, syncbn.distributed)
+        for name in dir(module)
+        if callable(getattr(module, name))
+    }
+    layer = syncbn.SyncBatchNorm(4)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+
+    def call() -> None:
+        layer(x, mask=mask).sum().backward()
+
+    host_us, phases = probe.phase_times(call, 3, lambda: None)
+    once = ["forward_train", "reduce_forward", "backward_train", "synchronize_grads"]
+    for name in [f"_autograd.{name}" for name in once] + ["generic.local_moments"]:
+        assert phases[name][0] == 1, (name, phases)
+    assert phases["_autograd.resolve_mode"][0] == 2, phases  # forward and backward
+    assert "distributed.all_reduce_sum_" not in phases, phases  # no process group
+    assert all(0 < us <= host_us for _, us in phases.values()), (host_us, phases)
+    assert all(getattr(module, name) is function for (module, name), function in held.items())
 
 
 def test_a_gpu_part_cut_short_keeps_the_rows_it_measured(
