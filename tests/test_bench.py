@@ -628,6 +628,6 @@ def test_gpu_results_of_every_part_render() -> None:
         assert heading in text, heading
     assert "| 32x64x56x56 | float32 | channels_last | 2.000 / 0.500 / 0 |" in text
     assert "RuntimeError: capture" in text and "RuntimeError: boom" in text
-    assert "| syncbn | default | 2.00 | 0.50 | 60 | 1.00x |" in text
+    assert "| syncbn | default | 2.00 | 0.50 | 0 | 60 | 1.00x |" in text
     failed = results | {"layers": [{"shape": "broken"}]}  # a row without its timings
     assert "Rendering failed (KeyError" in gpu._render_or_say_why(failed)
