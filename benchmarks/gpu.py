@@ -48,7 +48,6 @@ import copy
 import json
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ from torch import nn
 import syncbn
 from syncbn import _kernels
 from syncbn._cli.launch import run_on_ranks
-from syncbn._cli.measure import machine_info
+from syncbn._cli.measure import count_host_syncs, machine_info
 
 __all__ = ["main"]
 
@@ -133,20 +132,6 @@ def _convert(model: nn.Module, kind: str, group: Any) -> nn.Module:
         if isinstance(module, syncbn.SyncBatchNorm):
             module._sync_alone = True
     return model
-
-
-def _count_syncs(fn: Callable[[], object]) -> int:
-    """Host synchronizations during ``fn()``, as torch's sync debug mode reports them."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
@@ -245,7 +230,7 @@ def _layers_rank(
                 torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
 
             def measure(call: Callable[[], None] = call) -> dict[str, Any]:
-                return _time(call, 20 if quick else 50) | {"syncs": _count_syncs(call)}
+                return _time(call, 20 if quick else 50) | {"syncs": count_host_syncs(call)}
 
             row[kind] = _measured_with(kind, measure)
         _keep_row(rows, row, rows_file)
@@ -320,7 +305,7 @@ def _step_rank(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
         try:
             # "syncbn-finalize": deferred calls with syncbn._kernels.finalize (a candidate)
             _kernels.use_fused_finalize("cuda", enabled=kind == "syncbn-finalize")
-            eager = _time(step, 10 if quick else 30) | {"syncs": _count_syncs(step)}
+            eager = _time(step, 10 if quick else 30) | {"syncs": count_host_syncs(step)}
         except Exception as error:  # noqa: BLE001 - the Triton candidate's failure is a result
             if kind != "syncbn-finalize":
                 raise
@@ -431,7 +416,8 @@ def _compiled_step_rank(rank: int, world_size: int, quick: bool, kind: str, mode
     # the first step, less what a compiled step takes on the device; and the host syncs of
     # one compiled step (its ops' bodies run per layer: a read back in one of them, a site
     # tensor read on the host say, would cost a wait per layer and direction)
-    return entry | {"compile_s": first_s - entry["device_ms"] / 1e3, "syncs": _count_syncs(step)}
+    compile_s = first_s - entry["device_ms"] / 1e3
+    return entry | {"compile_s": compile_s, "syncs": count_host_syncs(step)}
 
 
 def _compiled_steps(quick: bool, timeout: float) -> dict[str, Any]:

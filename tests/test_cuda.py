@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from collections import Counter
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import nn
 
 import syncbn
 from syncbn import _kernels, _protocol
+from syncbn._cli.measure import count_host_syncs
 
 pytestmark = [
     pytest.mark.cuda,
@@ -238,17 +238,12 @@ def _compiled_host_syncs(rank: int, world_size: int) -> dict[str, int]:
 
         for _ in range(3):  # compiles, and fills the caches of constant tensors
             step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                step()
-                step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        counts[name] = sum("synchroniz" in str(w.message) for w in caught)
+
+        def two_steps(step: Any = step) -> None:
+            step()
+            step()
+
+        counts[name] = count_host_syncs(two_steps)
     _protocol.raise_deferred(wait=True)
     return counts
 

@@ -4,7 +4,8 @@
   same number of calls on every rank (calls may be collectives), a barrier before
   every timed block, warm-up, many repeats and medians;
 - :func:`count_collectives` records every ``torch.distributed`` collective issued
-  inside it, with its payload in bytes;
+  inside it, with its payload in bytes; :func:`count_host_syncs` counts the times a call
+  makes the host wait for a CUDA device;
 - :func:`layer_callables`, :func:`layer_collectives` and :func:`replay_callable` turn
   a normalization layer into the callables to time, and its collectives into a
   callable that replays them without the layer;
@@ -23,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ __all__ = [
     "Collective",
     "Timing",
     "count_collectives",
+    "count_host_syncs",
     "layer_callables",
     "layer_collectives",
     "machine_info",
@@ -272,6 +275,28 @@ def count_collectives() -> Iterator[list[Collective]]:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def count_host_syncs(fn: Callable[[], object]) -> int:
+    """How many times ``fn()`` makes the host wait for the current CUDA device (a value read
+    back, a blocking copy), as torch's sync debug mode reports them; needs CUDA.
+
+    Examples::
+
+        >>> x = torch.ones(3, device="cuda")
+        >>> count_host_syncs(lambda: x.sum().item())
+        1
+    """
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 # --------------------------------------------------------------------------- machine
