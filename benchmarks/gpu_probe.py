@@ -14,18 +14,19 @@
    output gradient: as the tests run, with ``CUDA_LAUNCH_BLOCKING=1``, and with the
    all_reduce through a host copy (a race between streams would show as errors in the first
    only).
-2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2
-   ms of host time per forward+backward call of one layer at every shape (the device
-   waited on the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the
-   30 most expensive functions by own time and the 80 first by cumulative time
-   (``prof-*.txt``), ``torch.profiler``'s table of 20 calls, host time per aten op and CUDA
-   runtime call with counts (``ops-*.txt``), and the inclusive host time of each phase of a
-   call (:data:`PHASES`: checks, local moments, packing, collectives, per-channel maths,
-   element passes, deferred checks) timed without a profiler (the second run could not
-   place ~1.9 of its 2.6 ms per call from the profiles, whose own overhead inflates every
-   Python frame), per dtype, layout and check mode, and with ``syncbn._kernels.finalize``
-   (``-fused``: with ``syncbn._kernels.triton_passes``; ``-fused-generic-passes``:
-   without).
+2. ``profile``: where an eager call's host time goes on CUDA. The first run measured ~2.2 ms
+   of host time per forward+backward call of one layer at every shape (the device waited on
+   the host), where the CPU machines measure ~0.13 ms. cProfile of 50 calls, the 30 most
+   expensive functions by own time and the 80 first by cumulative time (``prof-*.txt``),
+   ``torch.profiler``'s table of 20 calls, host time per aten op and CUDA runtime call with
+   counts (``ops-*.txt``), the host time of the call's aten calls replayed alone through
+   ``torch.ops`` (:func:`replay_us`: the rest is Python, bindings and collectives), and the
+   inclusive host time of each phase of a call (:data:`PHASES`: checks, local moments,
+   packing, collectives, per-channel maths, element passes, deferred checks) timed without a
+   profiler (the second run could not place ~1.9 of its 2.6 ms per call from the profiles,
+   whose own overhead inflates every Python frame), per dtype, layout and check mode, and
+   with ``syncbn._kernels.finalize`` (``-fused``: with ``syncbn._kernels.triton_passes``;
+   ``-fused-generic-passes``: without).
 3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
    ~2.2 ms into its causes: host time per aten op (a small in-place add), per nccl
    ``all_reduce`` of a forward buffer at world size 1, per Triton launch (a kernel of one
@@ -71,6 +72,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
 from syncbn import _kernels
@@ -393,6 +395,46 @@ def phase_times(
     return host * 1e6, phases
 
 
+class _Recorder(TorchDispatchMode):
+    """Records every call that reaches the dispatcher's Python key, with its arguments (the
+    aten calls of a layer call, and any other namespace's), to replay them alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, Any, dict[str, Any]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def replay_us(
+    call: Callable[[], object], calls: int, synchronize: Callable[[], None]
+) -> tuple[float, int, list[str]]:
+    """Host microseconds of one ``call``'s aten calls run alone: recorded once, then replayed
+    back to back through ``torch.ops`` ``calls`` times (in-place ones write their targets
+    again: denormals flushed, where the CPU can, so that values drifting towards zero cost
+    nothing extra). What the call's host time has beyond it is its Python, torch's Python
+    bindings, and what dispatches elsewhere (collectives). Also returns the number of aten
+    calls, and the other namespaces seen (left out of the replay)."""
+    with _Recorder() as recorded:
+        call()
+    synchronize()
+    kept = [entry for entry in recorded.calls if entry[0].namespace == "aten"]
+    others = sorted({entry[0].namespace for entry in recorded.calls} - {"aten"})
+
+    def replay() -> None:
+        for func, args, kwargs in kept:
+            func(*args, **kwargs)
+
+    torch.set_flush_denormal(True)
+    try:
+        host = _host_us(replay, calls, synchronize)
+    finally:
+        torch.set_flush_denormal(False)
+    return host, len(kept), others
+
+
 def _empty(*args: Any) -> None:
     return None
 
@@ -526,6 +568,9 @@ def _profile(
     per_op = costs.get("aten op (in-place add of 256 values)")
     predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
     say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
+    replayed, aten_calls, others = replay_us(call, 50, synchronize)
+    left_out = f" ({', '.join(others)} left out)" if others else ""
+    say(f"  its {aten_calls} aten calls replayed alone: {replayed:.0f} us per call{left_out}")
     host_us, phases = phase_times(call, 50, synchronize)
     say(f"  phases (inclusive host us per call; {host_us:.0f} us per call with the timers):")
     for phase, (count, us) in phases.items():

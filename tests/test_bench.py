@@ -548,6 +548,27 @@ def test_gpu_probe_times_the_phases_of_a_call_and_restores_them() -> None:
     assert all(getattr(module, name) is function for (module, name), function in held.items())
 
 
+def test_gpu_probe_replays_the_aten_calls_of_a_call_alone() -> None:
+    """benchmarks/gpu_probe.py's replay on a CPU call (a process alone, masked: the
+    synchronized path without a process group, so no collective): every aten call that
+    the op budget's dispatch mode counts is replayed, nothing is left out, and the replay
+    takes some time."""
+    probe = _load("gpu_probe")
+    layer = syncbn.SyncBatchNorm(4)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+
+    def call() -> None:
+        layer(x, mask=mask).sum().backward()
+
+    call()  # first-call caches filled
+    with probe._Ops() as counted:
+        call()
+    replayed_us, calls, others = probe.replay_us(call, 3, lambda: None)
+    assert calls == len(counted.names) > 0 and others == [], (calls, counted.names, others)
+    assert replayed_us > 0
+
+
 def test_a_gpu_part_cut_short_keeps_the_rows_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
