@@ -367,8 +367,8 @@ def _phase_timers() -> Iterator[dict[str, list[float]]]:
                         patched.append((module, name, original))
                         setattr(module, name, wrapper)
         yield totals
-    finally:
-        for module, name, original in patched:
+    finally:  # last in, first out: a function wrapped twice gets its original back
+        for module, name, original in reversed(patched):
             setattr(module, name, original)
 
 
