@@ -181,9 +181,6 @@ def _at_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.flatten(2)[index // length, :, index % length].reshape(x.shape[1])
 
 
-#: the dtypes whose sums torch's CUDA kernels accumulate in the data's own dtype
-_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
-
 #: the integer dtype of each floating dtype's width, for :func:`zero_padded`
 _SAME_WIDTH_INT = {
     torch.float64: torch.int64,
@@ -453,7 +450,8 @@ def backward_reduce(
     if input.numel() == 0:
         zeros = mean.new_zeros(mean.shape)
         return zeros, zeros.clone()
-    if grad_output.device.type != "cpu" and grad_output.dtype in _LOW_PRECISION:
+    # low precision: data whose statistics dtype is wider than its own
+    if grad_output.device.type != "cpu" and stat_dtype(grad_output.dtype) != grad_output.dtype:
         grad_output, input = grad_output.to(mean.dtype), input.to(mean.dtype)
     _, ones, empty = constants(mean.numel(), mean.dtype, mean.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
