@@ -72,7 +72,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
 from syncbn import _kernels
@@ -83,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gold  # noqa: E402  (the gold case's data, from the tests)
 from gpu import captured  # noqa: E402  (benchmarks/gpu.py's CUDA graph capture)
-from test_op_budget import _Ops  # noqa: E402  (the op budget's count of aten calls)
+from test_op_budget import _Ops  # noqa: E402  (the op budget's record of aten calls)
 
 __all__ = ["main"]
 
@@ -395,19 +394,6 @@ def phase_times(
     return host * 1e6, phases
 
 
-class _Recorder(TorchDispatchMode):
-    """Records every call that reaches the dispatcher's Python key, with its arguments (the
-    aten calls of a layer call, and any other namespace's), to replay them alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Any, Any, dict[str, Any]]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 def replay_us(
     call: Callable[[], object], calls: int, synchronize: Callable[[], None]
 ) -> tuple[float, int, list[str]]:
@@ -417,7 +403,7 @@ def replay_us(
     nothing extra). What the call's host time has beyond it is its Python, torch's Python
     bindings, and what dispatches elsewhere (collectives). Also returns the number of aten
     calls, and the other namespaces seen (left out of the replay)."""
-    with _Recorder() as recorded:
+    with _Ops() as recorded:
         call()
     synchronize()
     kept = [entry for entry in recorded.calls if entry[0].namespace == "aten"]

@@ -24,7 +24,7 @@ from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
 from test_collectives import _large_mean_statistics, assert_large_mean_accurate
 from test_masked import MaskedCase, _assert_matches, _run_masked
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_op_budget import _Ops
 
 from syncbn import _autograd, _kernels, _protocol
 
@@ -277,19 +277,6 @@ def test_device_constants_are_never_built_during_a_graph_capture(
         build(torch.device("cuda"))
 
 
-class _ReductionDtypes(TorchDispatchMode):
-    """Records the dtypes of the data that ``native_batch_norm_backward`` is given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket.__name__ == "native_batch_norm_backward":
-            self.seen.append((args[0].dtype, args[1].dtype))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
@@ -304,11 +291,16 @@ def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
     grad_output = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     input = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     mean, var = torch.zeros(3, device=device), torch.ones(3, device=device)
-    with _ReductionDtypes() as spy:
+    with _Ops() as ops:
         sum_dy, sum_dy_xhat = _kernels.generic.backward_reduce(grad_output, input, mean, var, 1e-5)
+    seen = [
+        (args[0].dtype, args[1].dtype)
+        for func, args, _ in ops.calls
+        if func.overloadpacket.__name__ == "native_batch_norm_backward"
+    ]
     converted = device != "cpu" and dtype != torch.float32
     expected = torch.float32 if converted else dtype
-    assert spy.seen == [(expected, expected)]
+    assert seen == [(expected, expected)]
     assert sum_dy.dtype == sum_dy_xhat.dtype == torch.float32
     if device == "cpu":  # the sums themselves, against float64
         exact = grad_output.double().sum((0, 2, 3))

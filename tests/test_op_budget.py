@@ -59,17 +59,20 @@ _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided"})
 
 
 class _Ops(TorchDispatchMode):
-    """Records the name of every aten call, and of the kernels they launch on a GPU (not
-    views, not bare allocations; see :func:`_launches`)."""
+    """Records every aten call: its name, the call itself with its arguments (``calls``,
+    which keeps them alive while the record does), and the names of the kernels they launch
+    on a GPU (not views, not bare allocations; see :func:`_launches`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.calls: list[tuple[Any, Any, dict[str, Any]]] = []
         self.kernels: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
         self.names.append(name)
+        self.calls.append((func, args, kwargs or {}))
         result = func(*args, **(kwargs or {}))
         if not func.is_view and name not in _ALLOCATIONS:
             self.kernels.extend([name] * _launches(name, args, result))
