@@ -395,17 +395,18 @@ def phase_times(
 
 
 def replay_us(
-    call: Callable[[], object], calls: int, synchronize: Callable[[], None]
+    recorded: _Ops, calls: int, synchronize: Callable[[], None]
 ) -> tuple[float, int, list[str]]:
-    """Host microseconds of one ``call``'s aten calls run alone: recorded once, then replayed
-    back to back through ``torch.ops`` ``calls`` times (in-place ones write their targets
-    again: denormals flushed, where the CPU can, so that values drifting towards zero cost
-    nothing extra). What the call's host time has beyond it is its Python, torch's Python
-    bindings, and what dispatches elsewhere (collectives). Also returns the number of aten
-    calls, and the other namespaces seen (left out of the replay)."""
-    with _Ops() as recorded:
-        call()
-    synchronize()
+    """Host microseconds of the aten calls of one recorded call run alone: replayed back to
+    back through ``torch.ops`` ``calls`` times (in-place ones write their targets again:
+    denormals flushed, where the CPU can, so that values drifting towards zero cost nothing
+    extra). What the call's host time has beyond it is its Python, torch's Python bindings,
+    and what dispatches elsewhere (collectives). Also returns the number of aten calls, and
+    the other namespaces seen (left out of the replay).
+
+    Args:
+        recorded: the dispatch mode that recorded the call (``with _Ops() as recorded:``).
+    """
     kept = [entry for entry in recorded.calls if entry[0].namespace == "aten"]
     others = sorted({entry[0].namespace for entry in recorded.calls} - {"aten"})
 
@@ -554,7 +555,7 @@ def _profile(
     per_op = costs.get("aten op (in-place add of 256 values)")
     predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
     say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
-    replayed, aten_calls, others = replay_us(call, 50, synchronize)
+    replayed, aten_calls, others = replay_us(counted, 50, synchronize)
     left_out = f" ({', '.join(others)} left out)" if others else ""
     say(f"  its {aten_calls} aten calls replayed alone: {replayed:.0f} us per call{left_out}")
     host_us, phases = phase_times(call, 50, synchronize)

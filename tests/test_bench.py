@@ -564,7 +564,7 @@ def test_gpu_probe_replays_the_aten_calls_of_a_call_alone() -> None:
     call()  # first-call caches filled
     with probe._Ops() as counted:
         call()
-    replayed_us, calls, others = probe.replay_us(call, 3, lambda: None)
+    replayed_us, calls, others = probe.replay_us(counted, 3, lambda: None)
     assert calls == len(counted.names) > 0 and others == [], (calls, counted.names, others)
     assert replayed_us > 0
 
