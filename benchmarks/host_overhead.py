@@ -9,9 +9,11 @@ One process, one thread, a one-rank gloo group with the synchronized path forced
 so that every check, pack and op of a synchronized call runs but no transport. The model
 is 15 blocks of ``Conv2d(16, 16, 1)``, BatchNorm and ReLU on a ``2x16x4x4`` input;
 forward and backward. Variants: BatchNorm and syncbn, eager and under
-``torch.compile(fullgraph=True)`` (inductor), and syncbn eager with its checks deferred
-(``check_mode="deferred"``, the default on accelerators, whatever the device here). The
-per-layer figure is the step's time divided by 15; ``syncbn - batchnorm`` is what a
+``torch.compile(fullgraph=True)`` (inductor), and syncbn eager in each check mode
+(``check_mode="deferred"``, the default on accelerators, and ``"immediate"``, the CPU's),
+whatever the device here: one of these two runs the same code as ``syncbn eager`` (the
+device's default), so that the spread between rows of one mode shows the run's noise.
+The per-layer figure is the step's time divided by 15; ``syncbn - batchnorm`` is what a
 synchronized layer call adds on the host.
 Per variant the best of 5 blocks of 50 steps, the variants in turns over 3 rounds.
 
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
+from syncbn import _protocol
 from syncbn._cli.measure import machine_info
 
 __all__ = ["main"]
@@ -90,8 +93,24 @@ def _block_sizes(device_type: str) -> tuple[int, int]:
     return (20, 3) if device_type == "cuda" else (50, 5)
 
 
-def measure(device: torch.device) -> dict[str, float]:
-    """Step time (ms) per variant, the best over the rounds."""
+def _pinned_pool(device: torch.device) -> tuple[float, float]:
+    """Blocks the CUDA pinned-memory pool has created so far, and the microseconds spent in
+    CUDA creating them; zeros off CUDA (or before torch's ``host_memory_stats``).
+
+    A deferred check copies its header into pinned memory at each call. The pool caches
+    the blocks; a growth per step would be a CUDA host allocation per call (a suspect for
+    the 2026-12-04 run, where two rows of the same code read 1302 and 2218 µs per layer).
+    """
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return 0.0, 0.0
+    stats = torch.cuda.host_memory_stats()
+    return float(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time.total", 0))
+
+
+def measure(device: torch.device) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Step time (ms) per variant, the best over the rounds; and per variant the pinned
+    pool's growth per step (:func:`_pinned_pool`) and the most deferred checks pending
+    after its steps."""
     x = torch.randn(2, 16, 4, 4, device=device)
     variants: dict[str, Any] = {}
     for name, synchronized in (("batchnorm", False), ("syncbn", True)):
@@ -99,18 +118,32 @@ def measure(device: torch.device) -> dict[str, float]:
         model = _model(synchronized, device)
         variants[f"{name} eager"] = model
         variants[f"{name} compiled"] = torch.compile(model, fullgraph=True)
-    # the checks of accelerators (on the device, read later), whatever the device
-    torch.manual_seed(0)
-    variants["syncbn eager deferred"] = _model(True, device, check_mode="deferred")
+    # each check mode, whatever the device: one repeats "syncbn eager" (see the docstring)
+    for mode in ("deferred", "immediate"):
+        torch.manual_seed(0)
+        variants[f"syncbn eager {mode}"] = _model(True, device, check_mode=mode)
     steps, blocks = _block_sizes(device.type)
     best = {name: float("inf") for name in variants}
+    state = {name: {"pinned blocks": 0.0, "pinned us": 0.0, "pending": 0.0} for name in variants}
     for _ in range(ROUNDS):
         for name, model in variants.items():
+            blocks_before, us_before = _pinned_pool(device)
             best[name] = min(best[name], _step_ms(model, x, steps, blocks))
-    return best
+            blocks_after, us_after = _pinned_pool(device)
+            run = ROUNDS * (5 + steps * blocks)  # every step of every round (warm-up too)
+            state[name]["pinned blocks"] += (blocks_after - blocks_before) / run
+            state[name]["pinned us"] += (us_after - us_before) / run
+            pending = float(len(_protocol._pending))
+            state[name]["pending"] = max(state[name]["pending"], pending)
+    return best, state
 
 
-def _markdown(times: dict[str, float], info: dict[str, Any], device: str) -> str:
+def _markdown(
+    times: dict[str, float],
+    info: dict[str, Any],
+    device: str,
+    state: dict[str, dict[str, float]] | None = None,
+) -> str:
     steps, blocks = _block_sizes(torch.device(device).type)
     gpu = f"; {info['cuda']}" if torch.device(device).type == "cuda" else ""
     lines = [
@@ -121,19 +154,41 @@ def _markdown(times: dict[str, float], info: dict[str, Any], device: str) -> str
         "group with the synchronized path forced and no transport; 15 x (Conv2d(16, 16, 1), "
         f"BatchNorm, ReLU) on 2x16x4x4, forward+backward. Best of {blocks} blocks of {steps} "
         f"steps, {ROUNDS} rounds in turns. Load average at the end: {info['load_average']}. "
-        '`deferred`: `check_mode="deferred"`, the default on accelerators (checks and '
-        "running statistics on the device, read back later); the other syncbn rows use the "
-        "device's default (immediate on the CPU).",
+        "`checks`: the check mode each syncbn row resolves to on this device (`deferred`: "
+        "checks and running statistics on the device, read back later, the default on "
+        "accelerators; `immediate`: read at once, the CPU's). Rows of one mode run the same "
+        "code: their spread is this run's noise.",
         "",
-        "| variant | step ms | per layer µs | syncbn - batchnorm per layer µs |",
-        "|---|---|---|---|",
+        "| variant | checks | step ms | per layer µs | syncbn - batchnorm per layer µs |",
+        "|---|---|---|---|---|",
     ]
     for name, ms in times.items():
-        mode = name.split()[1]
-        extra = "-"
-        if name.startswith("syncbn"):
+        kind, mode, *check_mode = name.split()
+        extra = checks = "-"
+        if kind == "syncbn":
             extra = f"{(ms - times[f'batchnorm {mode}']) / LAYERS * 1e3:.0f}"
-        lines.append(f"| {name} | {ms:.3f} | {ms / LAYERS * 1e3:.0f} | {extra} |")
+        if kind == "syncbn":  # compiled: the ops' checks, as eager with the default mode
+            checks = _protocol.resolve_check_mode(
+                check_mode[0] if check_mode else "auto", torch.device(device)
+            )
+        lines.append(f"| {name} | {checks} | {ms:.3f} | {ms / LAYERS * 1e3:.0f} | {extra} |")
+    if state is not None and torch.device(device).type == "cuda":
+        lines += [
+            "",
+            "Per variant, over all its steps: the blocks CUDA's pinned-memory pool created "
+            "(a CUDA host allocation each) and the time spent creating them, per step; and the "
+            "most deferred checks pending after its steps, whichever variant left them (a "
+            "deferred call reads those of earlier calls: 1, the last backward's, is the "
+            "steady state; more would mean that they pile up).",
+            "",
+            "| variant | pinned blocks per step | pinned allocation µs per step | pending |",
+            "|---|---|---|---|",
+        ]
+        for name, row in state.items():
+            lines.append(
+                f"| {name} | {row['pinned blocks']:.2f} | {row['pinned us']:.1f} "
+                f"| {row['pending']:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -150,12 +205,18 @@ def main(argv: list[str] | None = None) -> int:
             "gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1
         )
         try:
-            times = measure(device)
+            times, state = measure(device)
         finally:
             dist.destroy_process_group()
     info = machine_info()
-    args.out.write_text(_markdown(times, info, args.device))
-    record = {"machine": info, "device": args.device, "step_ms": times, "layers": LAYERS}
+    args.out.write_text(_markdown(times, info, args.device, state))
+    record = {
+        "machine": info,
+        "device": args.device,
+        "step_ms": times,
+        "state": state,
+        "layers": LAYERS,
+    }
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     print(args.out.read_text())
     return 0

@@ -469,6 +469,41 @@ def test_masked_benchmark_times_unmasked_and_masked_calls(monkeypatch: pytest.Mo
     assert 0.5 < calls.count(None) / calls.count((8, 20)) < 2.0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_host_overhead_names_the_check_mode_of_each_syncbn_row(device: str) -> None:
+    """benchmarks/host_overhead.py's table: on each device one explicit check mode repeats
+    the default's (``syncbn eager``), and the rows say which (the 2026-12-04 CUDA table,
+    without this column, was read as "deferred against immediate" where both rows were
+    deferred)."""
+    host_overhead = _load("host_overhead")
+    names = ["batchnorm eager", "batchnorm compiled", "syncbn eager", "syncbn compiled"]
+    names += ["syncbn eager deferred", "syncbn eager immediate"]
+    times = {name: 1.5 if name.startswith("batchnorm") else 3.0 for name in names}
+    info = {"date": "now", "torch": "2.x", "cpu": "cpu", "load_average": [0.0], "cuda": "gpu"}
+    table = host_overhead._markdown(times, info, device)
+    rows = {
+        cells[0]: cells[1:]
+        for line in table.splitlines()
+        if line.startswith("| ") and "---" not in line
+        for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
+    }
+    default = "immediate" if device == "cpu" else "deferred"
+    assert rows["syncbn eager"][0] == rows["syncbn compiled"][0] == default
+    assert rows["syncbn eager deferred"][0] == "deferred"
+    assert rows["syncbn eager immediate"][0] == "immediate"
+    assert rows["batchnorm eager"][0] == "-"
+    assert rows["syncbn eager"][1:] == ["3.000", "200", "100"]  # (3.0 - 1.5) ms / 15 layers
+    # the pinned pool's growth: a table of its own on CUDA, nothing on the CPU
+    state = {name: {"pinned blocks": 0.0, "pinned us": 0.0, "pending": 1.0} for name in names}
+    state["syncbn eager deferred"] = {"pinned blocks": 2.0, "pinned us": 450.0, "pending": 7.0}
+    with_state = host_overhead._markdown(times, info, device, state)
+    if device == "cpu":
+        assert with_state == table
+        assert host_overhead._pinned_pool(torch.device("cpu")) == (0.0, 0.0)
+    else:
+        assert "| syncbn eager deferred | 2.00 | 450.0 | 7 |" in with_state.splitlines()
+
+
 def test_gpu_masked_part_times_both_kernel_sets_masked_and_not(tmp_path: Path) -> None:
     """benchmarks/gpu.py's masked part, run on the CPU with a wall-clock timer (the GPU
     session runs it with CUDA events): one row per shape and dtype, four timed variants,
