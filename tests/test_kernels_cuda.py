@@ -288,6 +288,8 @@ def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
     benchmarks/gpu_probe.py). The generic
     backward sums convert such data to float32 first off the CPU (here the meta device, for
     any device that is not the CPU), and pass it as it is to the CPU kernel, which is exact."""
+    if device == "cpu" and dtype == torch.float16 and not _autograd._CPU_FLOAT16:
+        pytest.skip("torch < 2.2 has no float16 batch_norm on the CPU")
     grad_output = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     input = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     mean, var = torch.zeros(3, device=device), torch.ones(3, device=device)
