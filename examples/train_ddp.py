@@ -267,6 +267,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             totals[0] += loss.detach() * len(labels)
             totals[1] += len(labels)
         dist.all_reduce(totals)  # the loss over all ranks, for the log
+        # on GPUs the layers' checks are deferred to later calls: raise what the epoch's
+        # last calls found (nothing is pending on the CPU, where they run at once)
+        syncbn.check_deferred()
         log.info("epoch %d: train loss %.4f", epoch + 1, (totals[0] / totals[1]).item())
 
     if rank == 0:  # rank 0's copy of the model (the others hold the same weights)

@@ -478,3 +478,19 @@ def test_a_gradient_penalty_on_cuda_two_ranks_through_gloo(pool2: WorkerPool) ->
     against one process on the global batch on the CPU, as tests/test_double_backward.py."""
     results = pool2.run(penalized_ranks_step, True, "contiguous", "cuda", timeout=120.0)
     assert_equals_the_global_batch(results, True)
+
+
+def test_check_deferred_waits_for_the_headers_copy_on_cuda() -> None:
+    """``syncbn.check_deferred()`` after a run's last call: it waits for the header's copy
+    to pinned memory (CUDA's event) and raises that call's problem, here a masked call of a
+    process alone with one valid position (a global count of one); once."""
+    layer = syncbn.SyncBatchNorm(3).cuda()  # deferred checks: CUDA's default
+    x = torch.randn(4, 3, 5, device="cuda")
+    mask = torch.zeros(4, 5, dtype=torch.bool, device="cuda")
+    mask[0, 0] = True
+    layer(x, mask=mask)  # returns without reading anything back
+    with pytest.raises(ValueError, match=r"^\(deferred check\) Expected more than 1 value"):
+        syncbn.check_deferred()
+    syncbn.check_deferred()  # forgotten once raised
+    layer(x, mask=mask.logical_not())
+    syncbn.check_deferred()  # a good call checks clean

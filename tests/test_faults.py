@@ -317,6 +317,72 @@ def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: st
         assert_deferred_problem_surfaced(result, problem)
 
 
+def _problem_of_the_last_call(rank: int, world_size: int, problem: str) -> dict[str, Any]:
+    """:func:`_deferred_problems`' bad call is the run's last synchronized call: no later
+    call raises it, :func:`syncbn.check_deferred` does. Then nothing is left to raise, and
+    good calls check clean."""
+    first, second = syncbn.SyncBatchNorm(3), syncbn.SyncBatchNorm(3)
+    for layer in (first, second):
+        layer.check_mode = "deferred"
+    x = torch.randn(4, 3)
+    first(x), second(x)  # a good step
+    if problem == "order":
+        bad = outcome(lambda: (second if rank % 2 else first)(x))
+    elif problem == "count":
+        bad = outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
+    else:  # rank 1 runs out of memory in the final backward; the others finish theirs
+        original = syncbn._kernels.generic.backward_reduce  # type: ignore[attr-defined]
+
+        def reduce(*args: Any) -> Any:
+            if rank == 1:
+                raise MemoryError("simulated: out of memory in backward")
+            return original(*args)
+
+        leaf = x.clone().requires_grad_()  # an input gradient: backward's collective
+        with mock.patch.object(syncbn._kernels.generic, "backward_reduce", reduce):  # type: ignore[attr-defined]
+            bad = outcome(lambda: first(leaf).square().sum().backward())
+    checked = outcome(syncbn.check_deferred)
+    again = outcome(syncbn.check_deferred)  # the inspected checks are forgotten
+    first(x).sum().backward()
+    clean = outcome(syncbn.check_deferred)
+    return {"bad": bad, "checked": checked, "again": again, "clean": clean}
+
+
+@pytest.mark.parametrize("problem", ["order", "count", "backward"])
+def test_check_deferred_raises_the_last_calls_problem(pool2: WorkerPool, problem: str) -> None:
+    """After the last step, ``syncbn.check_deferred()`` raises on every rank what that
+    step's deferred checks found (a rank whose own call failed raised there, and has
+    nothing pending), once; good calls then check clean."""
+    for rank, result in enumerate(pool2.run(_problem_of_the_last_call, problem)):
+        assert result["again"] == result["clean"] == ("ok", ""), (rank, result)
+        if problem == "backward" and rank == 1:
+            assert result["bad"][0] == "MemoryError", result
+            assert result["checked"] == ("ok", ""), result
+            continue
+        assert result["bad"] == ("ok", ""), (rank, result)  # deferred: not read at the call
+        kind, message = result["checked"]
+        assert message.startswith("(deferred check) "), (rank, message)
+        if problem == "order":
+            assert kind == "RuntimeError" and "layer mismatch in forward" in message
+        elif problem == "count":
+            assert kind == "ValueError" and "Expected more than 1 value per channel" in message
+        else:
+            assert kind == "RuntimeError", message
+            assert "1 other rank(s) failed in their SyncBatchNorm call in backward" in message
+
+
+def test_check_deferred_returns_at_once_with_nothing_pending() -> None:
+    """Immediate checks (the CPU's default) leave nothing pending, even for a call that
+    raised at once: the function has nothing to wait for or raise."""
+    layer = syncbn.SyncBatchNorm(3)
+    mask = torch.tensor([[True, False], [False, False]])
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        layer(torch.randn(2, 3, 2), mask=mask)  # one valid position: raised at the call
+    layer(torch.randn(4, 3, 2), mask=torch.ones(4, 2, dtype=torch.bool)).sum().backward()
+    assert not _protocol._pending
+    syncbn.check_deferred()
+
+
 def _caught_failure_then_training(rank: int, world_size: int, where: str) -> list[str]:
     """Four steps of three deferred-check layers; at step 1 rank 1 fails (an input the
     second layer refuses, or out of memory in the last layer's backward) and both ranks

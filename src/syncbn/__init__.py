@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from syncbn import functional as functional
     from syncbn import precise as precise
     from syncbn._masking import masking
-    from syncbn.batchnorm import SyncBatchNorm
+    from syncbn.batchnorm import SyncBatchNorm, check_deferred
     from syncbn.convert import (
         BatchNormNd,
         convert_sync_batchnorm,
@@ -39,6 +39,7 @@ __all__ = [
     "BatchNormNd",
     "SyncBatchNorm",
     "__version__",
+    "check_deferred",
     "convert_sync_batchnorm",
     "create_process_group",
     "masking",
@@ -52,6 +53,7 @@ __all__ = [
 _EXPORTS = {
     "BatchNormNd": "syncbn.convert",
     "SyncBatchNorm": "syncbn.batchnorm",
+    "check_deferred": "syncbn.batchnorm",
     "convert_sync_batchnorm": "syncbn.convert",
     "create_process_group": "syncbn.distributed",
     "masking": "syncbn._masking",

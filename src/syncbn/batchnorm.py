@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn import _compiled, _composite, _conversion, _masking, distributed
+from syncbn import _compiled, _composite, _conversion, _masking, _protocol, distributed
 from syncbn._autograd import (
     LocalReducer,
     collective_device,
@@ -23,7 +23,7 @@ from syncbn._autograd import (
 )
 from syncbn._layer_identity import LayerIdentity
 
-__all__ = ["SyncBatchNorm", "reset_without_bias"]
+__all__ = ["SyncBatchNorm", "check_deferred", "reset_without_bias"]
 
 
 def _data_parallel_replica_error() -> RuntimeError:
@@ -55,6 +55,38 @@ def _warn_unsynchronized_replica() -> None:
         UserWarning,
         stacklevel=2,
     )
+
+
+def check_deferred() -> None:
+    r"""Raise the first problem that deferred checks found, waiting for those in flight.
+
+    With deferred checks (``check_mode="deferred"``, and ``"auto"`` on accelerators) a
+    synchronized call's problem (another rank's error, layers called in another order, a
+    global count of one) is raised at this process's next synchronized call. The last
+    calls of a run have no next call: call this after the final step (before saving a
+    checkpoint or evaluating, say), and a problem of their collectives is raised instead
+    of lost. Every rank received the same flags, so every rank raises, except one whose
+    own call failed and raised at once.
+
+    It waits for the pending checks' headers (on a GPU, for the device to reach them) and
+    forgets the checks it inspected; with immediate checks nothing is pending and it
+    returns at once. Inside a CUDA graph capture it does nothing (the checks run after
+    the capture). Checks of a process group destroyed since are dropped unread.
+
+    Raises:
+        RuntimeError, ValueError: the problem, its message starting with
+            ``"(deferred check)"`` and naming the layer, its call and direction.
+
+    Examples::
+
+        >>> for x, y in loader:  # layers with deferred checks, on every rank
+        ...     loss_fn(model(x), y).backward()
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+        >>> syncbn.check_deferred()  # the last step's backward checks, too
+        >>> torch.save(model.state_dict(), "checkpoint.pt")
+    """
+    _protocol.raise_deferred(wait=True)
 
 
 def reset_without_bias(layer: _BatchNorm) -> bool:
@@ -137,7 +169,9 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         running-statistics update stay on the device), so it can be captured in a CUDA
         graph, and ``torch.compile(model, fullgraph=True)`` traces the layer without a
         graph break. When every rank's batch is empty the output is empty, as in torch.
-        (CUDA: designed for this; its tests are written but have not yet run on a GPU.)
+        (CUDA: run on an H200 on 2026-12-04, no host sync per layer call; README, "On a
+        GPU".) With deferred checks, call :func:`syncbn.check_deferred` after the last
+        step, so that a problem of its collectives is raised rather than lost.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.
