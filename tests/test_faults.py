@@ -317,13 +317,22 @@ def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: st
         assert_deferred_problem_surfaced(result, problem)
 
 
-def _problem_of_the_last_call(rank: int, world_size: int, problem: str) -> dict[str, Any]:
+def _problem_of_the_last_call(
+    rank: int, world_size: int, problem: str, compiled: bool = False
+) -> dict[str, Any]:
     """:func:`_deferred_problems`' bad call is the run's last synchronized call: no later
     call raises it, :func:`syncbn.check_deferred` does. Then nothing is left to raise, and
-    good calls check clean."""
-    first, second = syncbn.SyncBatchNorm(3), syncbn.SyncBatchNorm(3)
+    good calls check clean. ``compiled``: the layers under ``torch.compile`` (aot_eager),
+    whose ``syncbn::`` ops defer their checks alike."""
+    torch._dynamo.reset()
+    first: Any = syncbn.SyncBatchNorm(3)
+    second: Any = syncbn.SyncBatchNorm(3)
     for layer in (first, second):
         layer.check_mode = "deferred"
+    if compiled:
+        first, second = (
+            torch.compile(m, fullgraph=True, backend="aot_eager") for m in (first, second)
+        )
     x = torch.randn(4, 3)
     first(x), second(x)  # a good step
     if problem == "order":
@@ -348,12 +357,18 @@ def _problem_of_the_last_call(rank: int, world_size: int, problem: str) -> dict[
     return {"bad": bad, "checked": checked, "again": again, "clean": clean}
 
 
-@pytest.mark.parametrize("problem", ["order", "count", "backward"])
-def test_check_deferred_raises_the_last_calls_problem(pool2: WorkerPool, problem: str) -> None:
+@pytest.mark.parametrize(
+    ("problem", "compiled"),
+    [("order", False), ("count", False), ("backward", False), ("order", True), ("count", True)],
+    ids=["order", "count", "backward", "order-compiled", "count-compiled"],
+)
+def test_check_deferred_raises_the_last_calls_problem(
+    pool2: WorkerPool, problem: str, compiled: bool
+) -> None:
     """After the last step, ``syncbn.check_deferred()`` raises on every rank what that
     step's deferred checks found (a rank whose own call failed raised there, and has
     nothing pending), once; good calls then check clean."""
-    for rank, result in enumerate(pool2.run(_problem_of_the_last_call, problem)):
+    for rank, result in enumerate(pool2.run(_problem_of_the_last_call, problem, compiled)):
         assert result["again"] == result["clean"] == ("ok", ""), (rank, result)
         if problem == "backward" and rank == 1:
             assert result["bad"][0] == "MemoryError", result
