@@ -167,7 +167,7 @@ def _markdown(
         extra = checks = "-"
         if kind == "syncbn":
             extra = f"{(ms - times[f'batchnorm {mode}']) / LAYERS * 1e3:.0f}"
-        if kind == "syncbn":  # compiled: the ops' checks, as eager with the default mode
+            # compiled: the ops' checks, in the default mode as eager
             checks = _protocol.resolve_check_mode(
                 check_mode[0] if check_mode else "auto", torch.device(device)
             )

@@ -13,6 +13,7 @@ import datetime
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -317,6 +318,25 @@ def test_deferred_check_surfaces_at_the_next_call(pool2: WorkerPool, problem: st
         assert_deferred_problem_surfaced(result, problem)
 
 
+@contextlib.contextmanager
+def _backward_sums_fail(when: Callable[[], bool]) -> Iterator[None]:
+    """The local backward sums raise ``MemoryError`` while ``when()``: the generic
+    kernels', and Triton's where tests/test_kernels_finalize.py has turned them on (and so
+    imported them)."""
+    with contextlib.ExitStack() as patches:
+        for name in ("syncbn._kernels.generic", "syncbn._kernels.triton_passes"):
+            if name in sys.modules:
+                module = sys.modules[name]
+
+                def reduce(*args: Any, _original: Any = module.backward_reduce) -> Any:
+                    if when():
+                        raise MemoryError("simulated: out of memory in backward")
+                    return _original(*args)
+
+                patches.enter_context(mock.patch.object(module, "backward_reduce", reduce))
+        yield
+
+
 def _problem_of_the_last_call(
     rank: int, world_size: int, problem: str, compiled: bool = False
 ) -> dict[str, Any]:
@@ -340,15 +360,8 @@ def _problem_of_the_last_call(
     elif problem == "count":
         bad = outcome(lambda: first(torch.randn(1 if rank == 0 else 0, 3)))
     else:  # rank 1 runs out of memory in the final backward; the others finish theirs
-        original = syncbn._kernels.generic.backward_reduce  # type: ignore[attr-defined]
-
-        def reduce(*args: Any) -> Any:
-            if rank == 1:
-                raise MemoryError("simulated: out of memory in backward")
-            return original(*args)
-
         leaf = x.clone().requires_grad_()  # an input gradient: backward's collective
-        with mock.patch.object(syncbn._kernels.generic, "backward_reduce", reduce):  # type: ignore[attr-defined]
+        with _backward_sums_fail(lambda: rank == 1):
             bad = outcome(lambda: first(leaf).square().sum().backward())
     checked = outcome(syncbn.check_deferred)
     again = outcome(syncbn.check_deferred)  # the inspected checks are forgotten
@@ -408,24 +421,8 @@ def _caught_failure_then_training(rank: int, world_size: int, where: str) -> lis
         assert isinstance(layer, syncbn.SyncBatchNorm)
         layer.check_mode = "deferred"
     step = 0
-
-    def out_of_memory_on_rank_1(backward_reduce: Any) -> Any:
-        def reduce(*args: Any) -> Any:
-            if where == "backward" and step == 1 and rank == 1:
-                raise MemoryError("simulated: out of memory in backward")
-            return backward_reduce(*args)
-
-        return reduce
-
     ended = []
-    with contextlib.ExitStack() as patches:
-        # the generic kernels' backward sums, and Triton's where tests/test_kernels_finalize.py
-        # has turned them on (and so imported them)
-        for name in ("syncbn._kernels.generic", "syncbn._kernels.triton_passes"):
-            if name in sys.modules:
-                module = sys.modules[name]
-                wrapper = out_of_memory_on_rank_1(module.backward_reduce)
-                patches.enter_context(mock.patch.object(module, "backward_reduce", wrapper))
+    with _backward_sums_fail(lambda: where == "backward" and step == 1 and rank == 1):
         for step in range(4):
             x = torch.randn(5, 4)
             try:
