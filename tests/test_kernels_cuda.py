@@ -22,6 +22,7 @@ import pytest
 import torch
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from test_batchnorm import _NEEDS_CPU_FLOAT16
 from test_collectives import _large_mean_statistics, assert_large_mean_accurate
 from test_masked import MaskedCase, _assert_matches, _run_masked
 from test_op_budget import _Ops
@@ -277,8 +278,17 @@ def test_device_constants_are_never_built_during_a_graph_capture(
         build(torch.device("cuda"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        ("cpu", torch.bfloat16),
+        pytest.param("cpu", torch.float16, marks=_NEEDS_CPU_FLOAT16),
+        ("cpu", torch.float32),
+        ("meta", torch.bfloat16),
+        ("meta", torch.float16),
+        ("meta", torch.float32),
+    ],
+)
 def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
     device: str, dtype: torch.dtype
 ) -> None:
@@ -288,8 +298,6 @@ def test_low_precision_backward_sums_are_taken_from_float32_off_the_cpu(
     benchmarks/gpu_probe.py). The generic
     backward sums convert such data to float32 first off the CPU (here the meta device, for
     any device that is not the CPU), and pass it as it is to the CPU kernel, which is exact."""
-    if device == "cpu" and dtype == torch.float16 and not _autograd._CPU_FLOAT16:
-        pytest.skip("torch < 2.2 has no float16 batch_norm on the CPU")
     grad_output = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     input = torch.randn(4, 3, 2, 2).to(dtype).to(device)
     mean, var = torch.zeros(3, device=device), torch.ones(3, device=device)
