@@ -426,6 +426,18 @@ def _empty(*args: Any) -> None:
     return None
 
 
+class _Identity(torch.autograd.Function):
+    """The cheapest Python autograd Function: its cost is autograd's and the interpreter's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
 def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, float]:
     """Host microseconds per unit of work on this machine (see the module's docstring)."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -443,6 +455,18 @@ def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, flo
     }
     # the interpreter's speed, which every Python line of a call scales with
     units["Python call of an empty function of 8 arguments"] = lambda: _empty(*range(8))
+    # what autograd adds to a call whose backward is Python (syncbn's and torch.nn.SyncBatchNorm's,
+    # both ~1 ms of host time over cuDNN BatchNorm on the second GPU run): on CUDA the engine
+    # runs it in its device thread, which takes the GIL from the calling thread and back
+    leaf = torch.zeros(256, device=device, requires_grad=True)
+    ones = torch.ones_like(leaf)
+    grad = torch.autograd.grad
+    units["autograd forward+backward, a C++ op (mul by 1)"] = lambda: grad(
+        leaf.mul(1.0), leaf, ones
+    )
+    units["autograd forward+backward, a Python Function"] = lambda: grad(
+        _Identity.apply(leaf), leaf, ones
+    )
     if device.type == "cuda":  # what a deferred check adds per collective (_protocol)
         header = torch.zeros(4, dtype=torch.float64, device=device)
 

@@ -548,8 +548,8 @@ def test_gpu_probe_calibrates_host_costs(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(probe.dist, "all_reduce", lambda buffer: buffer)
     lines: list[str] = []
     costs = probe.calibrate(torch.device("cpu"), lines.append)
-    assert len(costs) == 4 and all(cost > 0 for cost in costs.values()), costs
-    assert [line.endswith("us host per call") for line in lines] == [True] * 4, lines
+    assert len(costs) == 6 and all(cost > 0 for cost in costs.values()), costs
+    assert [line.endswith("us host per call") for line in lines] == [True] * 6, lines
 
 
 def test_gpu_probe_times_the_phases_of_a_call_and_restores_them() -> None:
