@@ -492,7 +492,9 @@ def test_host_overhead_names_the_check_mode_of_each_syncbn_row(device: str) -> N
     assert rows["syncbn eager deferred"][0] == "deferred"
     assert rows["syncbn eager immediate"][0] == "immediate"
     assert rows["batchnorm eager"][0] == "-"
-    assert rows["syncbn eager"][1:] == ["3.000", "200", "100"]  # (3.0 - 1.5) ms / 15 layers
+    # (3.0 - 1.5) ms / 15 layers, and 3.0 / 1.5
+    assert rows["syncbn eager"][1:] == ["3.000", "200", "100", "2.00x"]
+    assert rows["batchnorm compiled"][1:] == ["1.500", "100", "-", "-"]
     # the pinned pool's growth: a table of its own on CUDA, nothing on the CPU
     state = {name: {"pinned blocks": 0.0, "pinned us": 0.0, "pending": 1.0} for name in names}
     state["syncbn eager deferred"] = {"pinned blocks": 2.0, "pinned us": 450.0, "pending": 7.0}
