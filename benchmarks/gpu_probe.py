@@ -456,8 +456,8 @@ def calibrate(device: torch.device, say: Callable[[str], None]) -> dict[str, flo
     # the interpreter's speed, which every Python line of a call scales with
     units["Python call of an empty function of 8 arguments"] = lambda: _empty(*range(8))
     # what autograd adds to a call whose backward is Python (syncbn's and torch.nn.SyncBatchNorm's,
-    # both ~1 ms of host time over cuDNN BatchNorm on the second GPU run): on CUDA the engine
-    # runs it in its device thread, which takes the GIL from the calling thread and back
+    # ~2.3 and ~1.2 ms of host time per call over cuDNN BatchNorm's on the second GPU run): on
+    # CUDA the engine runs it in its device thread, which takes the GIL from the calling thread
     leaf = torch.zeros(256, device=device, requires_grad=True)
     ones = torch.ones_like(leaf)
     grad = torch.autograd.grad
