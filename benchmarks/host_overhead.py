@@ -46,6 +46,8 @@ __all__ = ["main"]
 HERE = Path(__file__).parent
 LAYERS = 15
 ROUNDS = 3
+#: untimed steps before each variant's timed blocks, in every round
+WARMUP_STEPS = 5
 
 
 def _no_transport(buffer: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -73,7 +75,7 @@ def _step_ms(model: Any, x: torch.Tensor, steps: int = 50, blocks: int = 5) -> f
     def step() -> None:
         model(x).sum().backward()
 
-    for _ in range(5):
+    for _ in range(WARMUP_STEPS):
         step()
     best = float("inf")
     for _ in range(blocks):
@@ -127,12 +129,12 @@ def measure(device: torch.device) -> tuple[dict[str, float], dict[str, dict[str,
     steps, blocks = _block_sizes(device.type)
     best = {name: float("inf") for name in variants}
     state = {name: {"pinned blocks": 0.0, "pinned us": 0.0, "pending": 0.0} for name in variants}
+    run = ROUNDS * (WARMUP_STEPS + steps * blocks)  # a variant's steps in all rounds
     for _ in range(ROUNDS):
         for name, model in variants.items():
             blocks_before, us_before = _pinned_pool(device)
             best[name] = min(best[name], _step_ms(model, x, steps, blocks))
             blocks_after, us_after = _pinned_pool(device)
-            run = ROUNDS * (5 + steps * blocks)  # every step of every round (warm-up too)
             state[name]["pinned blocks"] += (blocks_after - blocks_before) / run
             state[name]["pinned us"] += (us_after - us_before) / run
             pending = float(len(_protocol._pending))
