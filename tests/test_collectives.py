@@ -7,6 +7,7 @@ import contextlib
 import warnings
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -280,18 +281,27 @@ def assert_large_mean_accurate(sizes: tuple[int, ...], per_rank: list[dict[str, 
         assert bool(((result["output"] - local).abs() < 1e-5).all())
 
 
-def _functional_matches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+#: ``momentum`` and ``eps`` in the forms torch's argument parser takes for a float
+_FLOAT_ARGUMENTS: dict[str, tuple[Any, Any]] = {
+    "float": (0.3, 1e-5),
+    "numpy": (np.float32(0.3), np.float64(1e-3)),
+    "tensor": (torch.tensor(0.3, dtype=torch.float64), torch.tensor(1e-3)),
+    "int": (1, 1),
+}
+
+
+def _functional_matches(rank: int, world_size: int, arguments: str) -> dict[str, torch.Tensor]:
+    momentum, eps = _FLOAT_ARGUMENTS[arguments]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 3, 7, generator=gen, dtype=torch.float64)
     weight, bias = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
     sizes = [2, 3, 0] if world_size == 3 else [1, 4]
     start = sum(sizes[:rank])
     mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    out = syncbn.sync_batch_norm(
-        x[start : start + sizes[rank]], mean, var, weight, bias, training=True, momentum=0.3
-    )
+    local = x[start : start + sizes[rank]]
+    out = syncbn.sync_batch_norm(local, mean, var, weight, bias, True, momentum, eps)
     ref_mean, ref_var = torch.zeros_like(mean), torch.ones_like(var)
-    ref = F.batch_norm(x, ref_mean, ref_var, weight, bias, training=True, momentum=0.3)
+    ref = F.batch_norm(x, ref_mean, ref_var, weight, bias, True, momentum, eps)
     return {
         "output": torch.cat([(out - ref[start : start + sizes[rank]]).flatten(), torch.zeros(1)])
         .abs()
@@ -301,8 +311,11 @@ def _functional_matches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     }
 
 
-def test_functional_form_matches_batch_norm(pool: WorkerPool) -> None:
-    for result in pool.run(_functional_matches):
+@pytest.mark.parametrize("arguments", list(_FLOAT_ARGUMENTS))
+def test_functional_form_matches_batch_norm(pool: WorkerPool, arguments: str) -> None:
+    """Also with ``momentum`` and ``eps`` given as F.batch_norm takes them: NumPy scalars,
+    0-dim tensors, integers (before, a float or an int momentum only)."""
+    for result in pool.run(_functional_matches, arguments):
         for key, error in result.items():
             assert error < 1e-12, key
 

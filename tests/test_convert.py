@@ -235,15 +235,59 @@ class ScaledBatchNorm2d(nn.BatchNorm2d):
 
 
 def test_revert_names_a_class_it_cannot_rebuild() -> None:
-    model = syncbn.convert_sync_batchnorm(nn.Sequential(ScaledBatchNorm2d(3, 2.0)))
-    with pytest.raises(TypeError, match=r"cannot rebuild '0' as ScaledBatchNorm2d .*register"):
+    model = nn.Sequential(nn.BatchNorm2d(3), ScaledBatchNorm2d(3, 2.0), nn.BatchNorm2d(3))
+    syncbn.convert_sync_batchnorm(model)  # in place
+    converted = list(model)
+    with pytest.raises(TypeError, match=r"cannot rebuild '1' as ScaledBatchNorm2d .*register"):
         syncbn.revert_sync_batchnorm(model)
+    assert list(model) == converted  # nothing reverted: not the layer before it either
     syncbn.register_converter(
         ScaledBatchNorm2d,
         to_plain=lambda layer: _conversion.share_state(layer, ScaledBatchNorm2d(3, 2.0)),
     )
     reverted = cast(nn.Sequential, syncbn.revert_sync_batchnorm(model))
-    assert type(reverted[0]) is ScaledBatchNorm2d
+    types = [type(layer) for layer in reverted]
+    assert types == [nn.BatchNorm2d, ScaledBatchNorm2d, nn.BatchNorm2d]
+
+
+class DevicelessBatchNorm2d(nn.BatchNorm2d):
+    """A subclass whose constructor takes BatchNorm's five settings, and no ``device``."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+
+
+def test_a_subclass_whose_constructor_takes_no_device_reverts() -> None:
+    model = nn.Sequential(DevicelessBatchNorm2d(3, momentum=0.3))
+    x = torch.randn(4, 3, 2, 2)
+    model(x)  # running statistics of its own, which the round trip must keep
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    syncbn.convert_sync_batchnorm(model)
+    weight = model[0].weight
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is DevicelessBatchNorm2d and model[0].momentum == 0.3
+    assert model[0].weight is weight
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+
+
+def test_a_converter_that_raises_leaves_the_model_as_it_was() -> None:
+    def to_sync(module: BatchNormAct2d) -> nn.Module:
+        raise RuntimeError("this converter refuses")
+
+    syncbn.register_converter(BatchNormAct2d, to_sync)
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Sequential(BatchNormAct2d(4)))
+    layers = list(model.modules())
+    with pytest.raises(RuntimeError, match="this converter refuses"):
+        syncbn.convert_sync_batchnorm(model)
+    assert list(model.modules()) == layers  # the BatchNorm2d before it was not converted
 
 
 class NaiveSyncBatchNorm(nn.BatchNorm2d):
@@ -733,6 +777,21 @@ def test_buffers_a_subclass_adds_are_kept_both_ways() -> None:
     syncbn.revert_sync_batchnorm(model)
     assert type(model[0]) is CountingBatchNorm1d and model.state_dict().keys() == keys
     assert model[0].seen is seen and int(seen) == 9 and model[0].scratch is scratch
+
+
+def test_a_non_persistent_running_statistic_stays_out_of_the_state_dict_both_ways() -> None:
+    layer = nn.BatchNorm2d(3)
+    layer.register_buffer("running_mean", layer.running_mean, persistent=False)
+    model = nn.Sequential(layer)
+    keys = list(model.state_dict())
+    assert "0.running_mean" not in keys
+    checkpoint = model.state_dict()
+    syncbn.convert_sync_batchnorm(model)
+    assert type(model[0]) is syncbn.SyncBatchNorm and list(model.state_dict()) == keys
+    model.load_state_dict(checkpoint)  # strict
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm2d and list(model.state_dict()) == keys
+    assert model[0].running_mean is layer.running_mean
 
 
 @pytest.mark.parametrize("entries", [("running_mean", "running_var"), ("weight", "bias")])

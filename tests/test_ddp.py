@@ -511,6 +511,26 @@ def test_checkpointing_a_layer_alone_updates_running_stats_once(use_reentrant: b
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
+def test_a_forward_inside_a_backward_pass_is_taken_for_a_recomputation() -> None:
+    """What README says of checkpointing: the engine running in the thread is all that tells
+    a recomputation, so a training forward in a gradient hook moves no running statistics
+    (torch's BatchNorm moves them), and normalizes with its batch's statistics."""
+    layer, reference = syncbn.SyncBatchNorm(3), nn.BatchNorm1d(3)
+    x = torch.randn(8, 3) + 5
+    outputs = []
+    weight = torch.ones(1, requires_grad=True)
+    weight.register_hook(lambda grad: outputs.append(layer(x)))
+    (weight * 2).sum().backward()
+    torch.testing.assert_close(outputs[0], reference(x))
+    counted, reference_counted = layer.num_batches_tracked, reference.num_batches_tracked
+    assert counted is not None and reference_counted is not None
+    assert layer.running_mean is not None
+    assert int(counted) == 0 and int(reference_counted) == 1
+    assert torch.equal(layer.running_mean, torch.zeros(3))
+    layer(x)  # outside backward: an update, as torch's
+    torch.testing.assert_close(layer.running_mean, reference.running_mean)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_checkpointing_the_functional_form_alone_updates_running_stats_once(
     use_reentrant: bool,

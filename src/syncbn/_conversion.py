@@ -7,6 +7,7 @@ This module imports nothing from syncbn: the synchronized class is passed in, so
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -70,18 +71,15 @@ def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
 
     An entry that ``source`` holds as ``None`` is ``None`` on ``target`` too: torch's
     ``bias=False``, or running statistics (or an affine weight) that the model set to
-    ``None``. A buffer that ``target`` does not have (one a BatchNorm subclass adds) is
-    registered on it, persistent or not as on ``source``, so that ``state_dict`` keeps its key.
+    ``None``. Every buffer is persistent or not as on ``source`` (a ``running_mean`` made
+    non-persistent, one a BatchNorm subclass adds), so that ``state_dict`` keeps its keys.
     """
     # _parameters and _buffers, not named_parameters(): those skip the None entries
     for name, param in source._parameters.items():
         target.register_parameter(name, param)
     for name, buffer in source._buffers.items():
-        if name in target._buffers:
-            setattr(target, name, buffer)
-        else:
-            persistent = name not in source._non_persistent_buffers_set
-            target.register_buffer(name, buffer, persistent=persistent)
+        persistent = name not in source._non_persistent_buffers_set
+        target.register_buffer(name, buffer, persistent=persistent)
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
@@ -91,18 +89,21 @@ def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
 def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) -> _BatchNormT:
     """A ``cls`` layer with ``source``'s settings that shares its Parameters, buffers and mode.
 
-    Built on the meta device, so nothing is allocated before the state is shared.
-    ``kwargs`` go to ``cls``'s constructor after the five BatchNorm settings.
+    Built on the meta device where ``cls``'s constructor takes a ``device``, so that nothing
+    is allocated before the state is shared. ``kwargs`` go to ``cls``'s constructor after
+    the five BatchNorm settings.
     """
-    twin = cls(
+    settings = (
         source.num_features,
         source.eps,
         source.momentum,
         source.affine,
         source.track_running_stats,
-        device="meta",
-        **kwargs,
     )
+    if _takes_device(cls):
+        twin = cls(*settings, device="meta", **kwargs)
+    else:  # a subclass whose constructor predates torch's device argument
+        twin = cls(*settings, **kwargs)  # a few per-channel tensors, replaced at once
     share_state(source, twin)  # None entries too (torch >= 2.13's bias=False)
     carry_parametrizations(source, twin)
     # a SyncBatchNorm built on the meta device now holds tensors on another device
@@ -110,6 +111,15 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
     if prepare is not None:
         prepare()
     return twin
+
+
+def _takes_device(cls: type[nn.Module]) -> bool:
+    """Whether ``cls``'s constructor takes a ``device`` argument (by name, or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume torch's
+        return True
+    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def carry_parametrizations(source: nn.Module, target: nn.Module) -> None:
@@ -238,17 +248,22 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module, str], nn.Mo
     # reused by a module built during the walk
     done: dict[int, tuple[nn.Module, nn.Module]] = {}
 
-    def visit(current: nn.Module, path: str) -> nn.Module:
+    def visit(current: nn.Module, path: str) -> None:
         if id(current) in done:
-            return done[id(current)][1]
-        result = replace(current, path)
-        done[id(current)] = (current, result)
+            return
+        done[id(current)] = (current, replace(current, path))
         for name, child in list(current._modules.items()):
             if child is not None:
-                result.add_module(name, visit(child, f"{path}.{name}" if path else name))
-        return result
+                visit(child, f"{path}.{name}" if path else name)
 
-    return visit(module, "")
+    visit(module, "")
+    # the tree changes only once every replacement is built: one that raises (a class that
+    # cannot be rebuilt, a converter's error) leaves the model as it was, not half converted
+    for current, result in done.values():
+        for name, child in list(current._modules.items()):
+            if child is not None:
+                result.add_module(name, done[id(child)][1])
+    return done[id(module)][1]
 
 
 def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:

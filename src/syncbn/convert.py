@@ -191,7 +191,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     Raises:
         TypeError: a converted layer's original class cannot be built from BatchNorm's
-            arguments and has no registered ``to_plain``.
+            arguments and has no registered ``to_plain``. Nothing is reverted then: the
+            model is left as it was.
 
     Examples::
 

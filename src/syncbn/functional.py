@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -86,11 +88,10 @@ def sync_batch_norm(
     if (running_mean is None) != (running_var is None):
         # torch's check, which the synchronized and masked paths would not reach
         raise ValueError("running_mean and running_var must either both be None or neither be None")
-    if not isinstance(momentum, (float, int)):
-        # as F.batch_norm says it; a cumulative average needs num_batches_tracked (the module)
-        raise TypeError(
-            f"sync_batch_norm(): argument 'momentum' must be float, not {type(momentum).__name__}"
-        )
+    if not isinstance(momentum, float):
+        momentum = _float_argument("momentum", momentum)
+    if not isinstance(eps, float):
+        eps = _float_argument("eps", eps)
     world_size = distributed.get_world_size(process_group) if training else 1
     per_channel = first_given(weight, bias, running_mean, running_var)
     if world_size <= 1 and (mask is None or not training):
@@ -146,6 +147,19 @@ def sync_batch_norm(
         num_features,
         eps,
         momentum,
+    )
+
+
+def _float_argument(name: str, value: object) -> float:
+    """``value`` as a ``float``, where torch's argument parser takes it for one: an integer,
+    a NumPy scalar, a 0-dim real tensor. A ``momentum`` of ``None`` (a cumulative average)
+    is refused, as by ``F.batch_norm``: it needs ``num_batches_tracked``, the module's."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return float(value)
+    raise TypeError(
+        f"sync_batch_norm(): argument '{name}' must be float, not {type(value).__name__}"
     )
 
 
