@@ -34,6 +34,7 @@ from syncbn.data_parallel import (
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
+    SynchronizedBatchNormNd,
     _fail_fast,
     _present_devices,
     convert_model,
@@ -647,6 +648,81 @@ def test_convert_model_keeps_data_parallel_settings() -> None:
     assert isinstance(converted, DataParallelWithCallback)
     assert converted.device_ids == wrapped.device_ids
     assert getattr(converted, "output_device", None) == getattr(wrapped, "output_device", None)
+
+
+def test_convert_model_converts_syncbn_layers_that_ran_only_in_replicas() -> None:
+    """The recipe of the replica's warning: a SyncBatchNorm that ran only in DataParallel's
+    replicas (copies) never saw an input itself. Before, convert_model left it (and the
+    BatchNormNd that revert made of it) as it was, with no warning: replicas unsynchronized."""
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(3, dtype=torch.float64)
+    x = torch.randn(6, 3, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="DataParallel replica, and there is no process group"):
+        forward_backward(copies_like_replicate(layer, 2), split(x, [3, 3]), split(x, [3, 3]))
+    assert layer.last_input_dim is None  # the replicas saw the inputs
+    reference = nn.BatchNorm1d(3, dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    converted = convert_model(layer)
+    assert type(converted) is SynchronizedBatchNormNd and converted.weight is layer.weight
+    reverted = convert_model(syncbn.revert_sync_batchnorm(syncbn.SyncBatchNorm(3)))
+    assert type(reverted) is SynchronizedBatchNormNd  # the README's older recipe, too
+    dy = torch.randn_like(x)
+    output, grad_input = forward_backward(
+        replicate(converted, 2), split(x, [2, 4]), split(dy, [2, 4])
+    )
+    x_ref = x.clone().requires_grad_()
+    expected = reference(x_ref)
+    expected.backward(dy)
+    torch.testing.assert_close(output, expected, **TOL)
+    torch.testing.assert_close(grad_input, x_ref.grad, **TOL)
+    torch.testing.assert_close(converted.running_var, reference.running_var, **TOL)
+    seen = syncbn.SyncBatchNorm(3)
+    seen(torch.randn(2, 3, 4, 4))  # the rank it saw decides
+    assert type(convert_model(seen)) is SynchronizedBatchNorm2d
+
+
+class _NestedDataParallel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.DataParallel(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)))
+        self.head = nn.Linear(3, 1)
+
+
+@pytest.mark.usefixtures("without_cuda")
+def test_convert_model_gives_a_nested_data_parallel_its_callbacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As vacancy's convert_model: a DataParallel at any depth becomes one that runs the
+    callbacks (before, only the root did, and the nested one's replicas never met)."""
+    monkeypatch.setattr(
+        nn.DataParallel,
+        "replicate",
+        lambda self, module, ids: _replicas_without_callbacks(module, ids),
+    )
+    model = _NestedDataParallel()
+    inner = model.backbone.module
+    converted = convert_model(model)
+    assert converted is model and isinstance(model.backbone, DataParallelWithCallback)
+    assert model.backbone.module is inner and type(inner[1]) is SynchronizedBatchNorm1d
+    copies = [m for r in model.backbone.replicate(inner, [0, 1]) for m in r.modules()]
+    layers = [m for m in copies if isinstance(m, SynchronizedBatchNorm1d)]
+    assert [m._replica_sync.num_copies for m in layers if m._replica_sync] == [2, 2]
+
+
+def test_convert_sync_batchnorm_converts_the_data_parallel_layers_both_ways() -> None:
+    """A model written for vacancy's API moves to DDP (before: left with a warning)."""
+    model = nn.Sequential(SynchronizedBatchNorm2d(3, momentum=0.3), SynchronizedBatchNormNd(3))
+    weight = model[0].weight
+    keys = list(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        syncbn.convert_sync_batchnorm(model)
+    assert [type(layer) for layer in model] == [syncbn.SyncBatchNorm] * 2
+    assert model[0].weight is weight and model[0].momentum == 0.3
+    assert list(model.state_dict()) == keys
+    syncbn.revert_sync_batchnorm(model)
+    assert [type(layer) for layer in model] == [SynchronizedBatchNorm2d, SynchronizedBatchNormNd]
+    assert model[0].weight is weight
 
 
 def _replicas_without_callbacks(

@@ -13,9 +13,9 @@ the clone's ``src/syncbn``. It checks what an editable install cannot show:
   ``torch.nn.BatchNorm2d`` on the concatenated batch: output, input gradient, weight and bias
   gradients, running statistics;
 - the ``syncbn`` console script runs (``--version``, ``--help``);
-- the ``syncbn.converters`` entry point ``timm`` names a function that the installed module
-  defines (read from its source: importing it would import timm, which is not installed
-  here), the same as syncbn's built-in table.
+- each ``syncbn.converters`` entry point (``syncbn``, ``timm``) names a function that the
+  installed module defines (read from its source: importing timm's would import timm, which
+  is not installed here), the same as syncbn's built-in table.
 
 It prints one line when everything holds, and exits with an ``AssertionError`` otherwise.
 """
@@ -135,16 +135,18 @@ def main(source: Path) -> None:
         entry.name: entry
         for entry in importlib.metadata.entry_points(group=_conversion.ENTRY_POINT_GROUP)
     }
-    timm = offered.get("timm")
-    assert timm is not None, f"no timm entry point in {sorted(offered)}"
-    assert timm.value == _conversion.BUILT_IN_CONVERTERS["timm"], timm.value
-    assert _defines(timm.module, timm.attr), f"{timm.value} does not name a function"
+    for name, value in _conversion.BUILT_IN_CONVERTERS.items():
+        entry = offered.get(name)
+        assert entry is not None, f"no {name} entry point in {sorted(offered)}"
+        assert entry.value == value, entry.value
+        assert _defines(entry.module, entry.attr), f"{entry.value} does not name a function"
+    timm = offered["timm"]
     assert "timm" not in sys.modules
 
     print(
         f"wheel smoke: ok (syncbn {syncbn.__version__} from {package}; 2 gloo ranks vs "
         f"BatchNorm2d, max |diff| {max(differences):.1e}; console script, py.typed, "
-        f"{len(expected)} files, entry point {timm.name} = {timm.value})"
+        f"{len(expected)} files, entry points {', '.join(sorted(_conversion.BUILT_IN_CONVERTERS))})"
     )
 
 

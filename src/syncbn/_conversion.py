@@ -49,6 +49,7 @@ ENTRY_POINT_GROUP = "syncbn.converters"
 #: entry points (for tools that list them); an entry point whose value is listed here is not
 #: loaded a second time.
 BUILT_IN_CONVERTERS: dict[str, str] = {
+    "syncbn": "syncbn.data_parallel:register_converters",  # vacancy's API's layers
     "timm": "syncbn.integrations.timm:register_converters",
 }
 

@@ -37,7 +37,7 @@ def _data_parallel_replica_error() -> RuntimeError:
         "process group: every replica would call the group's collectives at once. Use "
         "DistributedDataParallel with one process per device, or, to synchronize "
         "DataParallel's replicas, syncbn.data_parallel's layers "
-        "(syncbn.data_parallel.convert_model(syncbn.revert_sync_batchnorm(model)))"
+        "(syncbn.data_parallel.convert_model(model))"
     )
 
 
@@ -50,8 +50,8 @@ def _warn_unsynchronized_replica() -> None:
         "SyncBatchNorm: this layer is a torch.nn.DataParallel replica, and there is no "
         "process group of several ranks: each replica normalizes its own device's slice "
         "with that slice's statistics, not the whole batch's. To synchronize DataParallel's "
-        "replicas, use syncbn.data_parallel.convert_model(syncbn.revert_sync_batchnorm("
-        "model)); or DistributedDataParallel with one process per device",
+        "replicas, use syncbn.data_parallel.convert_model(model) (on the model, not a "
+        "replica); or DistributedDataParallel with one process per device",
         UserWarning,
         stacklevel=2,
     )

@@ -57,10 +57,12 @@ from syncbn._conversion import (
     batchnorm_twin,
     computed_parameters,
     describe_module,
+    register_converter,
     replace_modules,
 )
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
-from syncbn.batchnorm import reset_without_bias
+from syncbn.batchnorm import SyncBatchNorm, reset_without_bias
+from syncbn.convert import BatchNormNd
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -68,9 +70,11 @@ __all__ = [
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
+    "SynchronizedBatchNormNd",
     "convert_model",
     "execute_replication_callbacks",
     "patch_replication_callback",
+    "register_converters",
 ]
 
 #: Seconds a replica waits for the other replicas of its layer before raising.
@@ -286,6 +290,29 @@ class SynchronizedBatchNorm2d(_SynchronizedBatchNorm):
 
 class SynchronizedBatchNorm3d(_SynchronizedBatchNorm):
     _check_input_dim = nn.BatchNorm3d._check_input_dim
+
+
+class SynchronizedBatchNormNd(_SynchronizedBatchNorm):
+    r"""The layers above for input of any rank, :math:`(N, C, *)` with at least 2 dims: the
+    synchronized twin of :class:`syncbn.BatchNormNd` (not in vacancy's API).
+
+    :func:`convert_model` gives one for a :class:`syncbn.SyncBatchNorm` whose input rank it
+    cannot tell: a layer built directly that ran only in DataParallel's replicas, which
+    are copies (the layer itself never saw an input), and for a :class:`syncbn.BatchNormNd`.
+    Its arguments, state and behaviour are those of :class:`SynchronizedBatchNorm2d`.
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)` (same shape as input)
+
+    Examples::
+
+        >>> bn = SynchronizedBatchNormNd(10)
+        >>> bn(torch.randn(16, 10, 50)).shape, bn(torch.randn(16, 10, 8, 8)).shape
+        (torch.Size([16, 10, 50]), torch.Size([16, 10, 8, 8]))
+    """
+
+    _check_input_dim = BatchNormNd._check_input_dim
 
 
 SynchronizedBatchNorm1d.__doc__ = _CLASS_DOC.format(
@@ -560,35 +587,61 @@ _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] 
     (nn.BatchNorm1d, SynchronizedBatchNorm1d),
     (nn.BatchNorm2d, SynchronizedBatchNorm2d),
     (nn.BatchNorm3d, SynchronizedBatchNorm3d),
+    (BatchNormNd, SynchronizedBatchNormNd),
 )
+#: a syncbn.SyncBatchNorm's twin by the rank of the last input it saw
+_BY_INPUT_DIM: dict[int | None, type[_SynchronizedBatchNorm]] = {
+    2: SynchronizedBatchNorm1d,
+    3: SynchronizedBatchNorm1d,
+    4: SynchronizedBatchNorm2d,
+    5: SynchronizedBatchNorm3d,
+}
+#: the forwards of the layers convert_model converts (a subclass with its own is left)
+_CONVERTIBLE_FORWARDS = (_BatchNorm.forward, SyncBatchNorm.forward)
+
+
+def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | None:
+    """The class of ``module``'s twin, or ``None`` for a module that convert_model keeps."""
+    for plain_class, sync_class in _CONVERSIONS:
+        if isinstance(module, plain_class):
+            return sync_class
+    if isinstance(module, SyncBatchNorm):  # (one that ran only in replicas saw no input)
+        return _BY_INPUT_DIM.get(module.last_input_dim, SynchronizedBatchNormNd)
+    return None
 
 
 def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module:
-    """The synchronized twin of one BatchNorm layer, sharing its state; or the layer itself."""
-    if isinstance(module, _BatchNorm) and isinstance(module, LazyModuleMixin):
+    """What replaces ``module``: the synchronized twin of a BatchNorm layer, sharing its
+    state; a :class:`DataParallelWithCallback` for a ``torch.nn.DataParallel`` (whose module
+    is converted in turn); else the module itself."""
+    if isinstance(module, nn.DataParallel) and not isinstance(module, DataParallelWithCallback):
+        # nested, as vacancy's convert_model converts it: else its replicas would never meet
+        return _with_callback(module, module.module)  # (the walk converts its module)
+    if not isinstance(module, _BatchNorm):
+        return module
+    if isinstance(module, LazyModuleMixin):
         # a materialised one has become its cls_to_become, a BatchNorm1d/2d/3d
         skipped.append(
             f"{describe_module(module, path)}: it is lazy; run one forward pass first so "
             "that its parameters are materialised"
         )
         return module
-    for torch_class, sync_class in _CONVERSIONS:
-        if not isinstance(module, torch_class):
-            continue
-        described = describe_module(module, path)
-        if type(module).forward is not _BatchNorm.forward:
-            skipped.append(
-                f"{described}: it overrides forward(), and converting it would drop that behaviour"
-            )
-            return module
-        if computed_parameters(module):
-            skipped.append(
-                f"{described}: its weight or bias is computed by hooks (the hook-based "
-                "torch.nn.utils.weight_norm), which a converted layer would lose"
-            )
-            return module
-        return batchnorm_twin(module, sync_class)
-    return module
+    sync_class = _synchronized_class(module)
+    if sync_class is None:
+        return module
+    described = describe_module(module, path)
+    if type(module).forward not in _CONVERTIBLE_FORWARDS:
+        skipped.append(
+            f"{described}: it overrides forward(), and converting it would drop that behaviour"
+        )
+        return module
+    if computed_parameters(module):
+        skipped.append(
+            f"{described}: its weight or bias is computed by hooks (the hook-based "
+            "torch.nn.utils.weight_norm), which a converted layer would lose"
+        )
+        return module
+    return batchnorm_twin(module, sync_class)
 
 
 def convert_model(module: nn.Module) -> nn.Module:
@@ -597,14 +650,17 @@ def convert_model(module: nn.Module) -> nn.Module:
     Each layer becomes :class:`SynchronizedBatchNorm1d` (``2d``, ``3d``) *sharing* its
     Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
-    ``track_running_stats``. A subclass of ``BatchNorm*d`` that overrides ``forward``,
-    a layer whose weight or bias is computed by hooks (the hook-based ``weight_norm``), or
-    a lazy layer not yet materialised is left unconverted with a warning naming it;
-    parametrizations (``torch.nn.utils.parametrize``) are carried over, shared. A
-    layer held in several places becomes one synchronized layer in all of them. If
-    ``module`` is a ``torch.nn.DataParallel``, its inner module is converted and returned
-    wrapped in :class:`DataParallelWithCallback` with the same ``device_ids``,
-    ``output_device`` and ``dim``.
+    ``track_running_stats``. A :class:`syncbn.SyncBatchNorm` becomes the twin of the rank
+    of the last input it saw, or :class:`SynchronizedBatchNormNd` where it saw none (one
+    that ran only in DataParallel's replicas), as a :class:`syncbn.BatchNormNd` does. A
+    subclass that overrides ``forward``, a layer whose weight or bias is computed by hooks
+    (the hook-based ``weight_norm``), or a lazy layer not yet materialised is left
+    unconverted with a warning naming it; parametrizations (``torch.nn.utils.parametrize``)
+    are carried over, shared. A layer held in several places becomes one synchronized
+    layer in all of them. Every ``torch.nn.DataParallel`` in ``module`` (``module`` itself
+    too) becomes a :class:`DataParallelWithCallback` of its converted inner module with the
+    same ``device_ids``, ``output_device`` and ``dim``, as in vacancy's library: a plain
+    DataParallel would never let its replicas meet.
 
     Args:
         module: the model, a single BatchNorm layer, or a DataParallel wrapper.
@@ -612,7 +668,8 @@ def convert_model(module: nn.Module) -> nn.Module:
     Returns:
         The converted module: ``module`` itself modified in place, unless it is a
         BatchNorm layer (its twin is returned) or a DataParallel (a new
-        :class:`DataParallelWithCallback` is returned).
+        :class:`DataParallelWithCallback` is returned). Nothing is changed where a layer
+        raises while it is converted.
 
     Examples::
 
@@ -621,6 +678,8 @@ def convert_model(module: nn.Module) -> nn.Module:
         >>> m = convert_model(m)  # a DataParallelWithCallback with SyncBN inside
     """
     skipped: list[str] = []
+    # the layers of a DataParallel given are named by their path in its module, as the
+    # user's model names them
     inner = module.module if isinstance(module, nn.DataParallel) else module
     converted = replace_modules(inner, lambda current, path: _synchronized(current, path, skipped))
     for description in skipped:
@@ -629,10 +688,29 @@ def convert_model(module: nn.Module) -> nn.Module:
             stacklevel=2,
         )
     if isinstance(module, nn.DataParallel):
-        return DataParallelWithCallback(
-            converted,
-            device_ids=module.device_ids or None,
-            output_device=getattr(module, "output_device", None),
-            dim=getattr(module, "dim", 0),
-        )
+        return _with_callback(module, converted)
     return converted
+
+
+def _with_callback(data_parallel: nn.DataParallel, module: nn.Module) -> DataParallelWithCallback:
+    """A :class:`DataParallelWithCallback` of ``module`` with ``data_parallel``'s settings."""
+    return DataParallelWithCallback(
+        module,
+        device_ids=data_parallel.device_ids or None,
+        output_device=getattr(data_parallel, "output_device", None),
+        dim=getattr(data_parallel, "dim", 0),
+    )
+
+
+def register_converters() -> None:
+    """Teach :func:`syncbn.convert_sync_batchnorm` this module's layers: each converts to a
+    :class:`syncbn.SyncBatchNorm` sharing its state (what moving a model written for
+    vacancy's API to DistributedDataParallel needs), and reverts to its own class. syncbn
+    calls this itself (its table of built-in converters) the first time a conversion meets
+    one; calling it again changes nothing.
+
+    Examples::
+
+        >>> syncbn.data_parallel.register_converters()  # not needed: done on demand
+    """
+    register_converter(_SynchronizedBatchNorm)
