@@ -5,7 +5,8 @@
 (uneven local batches whose statistics differ) to a model whose first layer is a
 ``BatchNorm1d`` with a cumulative average, converted with syncbn. After one step every rank
 checks that the layer's running statistics are those of the global batch (the concatenation of
-all ranks' inputs, gathered), and writes ``OUT/ok{RANK}``; any failure raises.
+all ranks' inputs, gathered) and that the ranks' weights agree (DDP averaged the gradients),
+and writes ``OUT/ok{RANK}``; any failure raises.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def _with_ddp(x: torch.Tensor) -> nn.Module:
 def _with_accelerate(x: torch.Tensor) -> nn.Module:
     from accelerate import Accelerator
 
-    accelerator = Accelerator()  # joins the process group that accelerate launch set up
+    # joins the process group that accelerate launch set up; without cpu=True on a machine
+    # without GPUs, accelerate runs each process alone (no DDP, gradients never averaged)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = _model()
     model = syncbn.convert_sync_batchnorm(model)  # before prepare, which wraps it in DDP
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
     loss = model(x).square().mean()
     accelerator.backward(loss)
     optimizer.step()
@@ -81,6 +85,12 @@ def main(argv: list[str]) -> int:
     torch.testing.assert_close(state["running_mean"], global_batch.mean(0))
     torch.testing.assert_close(state["running_var"], global_batch.var(0))
     assert not torch.allclose(state["running_mean"], x.mean(0), atol=1.0)  # not local ones
+    # DDP averaged the gradients: every rank took the same step (the statistics alone do
+    # not tell: syncbn synchronizes them over the process group, DDP or not)
+    weights: list[torch.Tensor | None] = [None] * len(SIZES)
+    dist.all_gather_object(weights, model.get_submodule("1").weight.detach())
+    for weight in weights[1:]:
+        assert weight is not None and torch.equal(weight, weights[0]), weights
     (Path(args.out) / f"ok{rank}").write_text("ok")
     # gloo's worker threads release a finished collective's tensors after the collective
     # returns, taking the GIL: a rank that exits at once can be finalizing Python by then, and
