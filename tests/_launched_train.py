@@ -87,10 +87,14 @@ def main(argv: list[str]) -> int:
     assert not torch.allclose(state["running_mean"], x.mean(0), atol=1.0)  # not local ones
     # DDP averaged the gradients: every rank took the same step (the statistics alone do
     # not tell: syncbn synchronizes them over the process group, DDP or not)
+    linear = model.get_submodule("1")
+    assert isinstance(linear, nn.Linear), type(linear)
     weights: list[torch.Tensor | None] = [None] * len(SIZES)
-    dist.all_gather_object(weights, model.get_submodule("1").weight.detach())
+    dist.all_gather_object(weights, linear.weight.detach())
+    first = weights[0]
+    assert first is not None
     for weight in weights[1:]:
-        assert weight is not None and torch.equal(weight, weights[0]), weights
+        assert weight is not None and torch.equal(weight, first), weights
     (Path(args.out) / f"ok{rank}").write_text("ok")
     # gloo's worker threads release a finished collective's tensors after the collective
     # returns, taking the GIL: a rank that exits at once can be finalizing Python by then, and
