@@ -62,7 +62,7 @@ from syncbn._conversion import (
 )
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
 from syncbn.batchnorm import SyncBatchNorm, reset_without_bias
-from syncbn.convert import BatchNormNd
+from syncbn.convert import BatchNormNd, _batchnorm_class
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -589,13 +589,6 @@ _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] 
     (nn.BatchNorm3d, SynchronizedBatchNorm3d),
     (BatchNormNd, SynchronizedBatchNormNd),
 )
-#: a syncbn.SyncBatchNorm's twin by the rank of the last input it saw
-_BY_INPUT_DIM: dict[int | None, type[_SynchronizedBatchNorm]] = {
-    2: SynchronizedBatchNorm1d,
-    3: SynchronizedBatchNorm1d,
-    4: SynchronizedBatchNorm2d,
-    5: SynchronizedBatchNorm3d,
-}
 #: the forwards of the layers convert_model converts (a subclass with its own is left)
 _CONVERTIBLE_FORWARDS = (_BatchNorm.forward, SyncBatchNorm.forward)
 
@@ -605,8 +598,11 @@ def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | No
     for plain_class, sync_class in _CONVERSIONS:
         if isinstance(module, plain_class):
             return sync_class
-    if isinstance(module, SyncBatchNorm):  # (one that ran only in replicas saw no input)
-        return _BY_INPUT_DIM.get(module.last_input_dim, SynchronizedBatchNormNd)
+    if isinstance(module, SyncBatchNorm):
+        # the twin of the class revert_sync_batchnorm gives it, by the rank of the last input
+        # it saw (BatchNormNd for none: one that ran only in replicas)
+        plain_class = _batchnorm_class(module.last_input_dim)
+        return next(sync for plain, sync in _CONVERSIONS if plain is plain_class)
     return None
 
 
