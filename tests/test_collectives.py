@@ -281,6 +281,69 @@ def assert_large_mean_accurate(sizes: tuple[int, ...], per_rank: list[dict[str, 
         assert bool(((result["output"] - local).abs() < 1e-5).all())
 
 
+#: an outlier's value in :func:`_outlier_statistics`: about 70 standard deviations of the
+#: local batch it sits in (one value among ~5000 of N(0, 1))
+_OUTLIER = 1e4
+
+
+def _outlier_batch(sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(N, 4, 32, 32)`` data from N(0, 1), each rank's first value per channel an
+    outlier (``_OUTLIER``), and a mask with a rank's first positions valid, 3 in 4 others."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(sizes), 4, 32, 32, generator=gen, dtype=torch.float64).float()
+    mask = torch.rand(sum(sizes), 32, 32, generator=gen) < 0.75
+    for rank, size in enumerate(sizes):
+        if size:
+            start = sum(sizes[:rank])
+            x[start, :, 0, 0] = _OUTLIER
+            mask[start, 0, 0] = True
+    return x, mask
+
+
+def _outlier_statistics(
+    rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool, masked: bool
+) -> dict[str, torch.Tensor]:
+    torch._dynamo.reset()
+    x, mask = _outlier_batch(sizes)
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    bn = syncbn.SyncBatchNorm(4, momentum=1.0, affine=False)  # running stats = the batch's
+    run = torch.compile(bn, fullgraph=True, backend="aot_eager") if compiled else bn
+    local_mask = mask[start:stop] if masked else None
+    output = run(x[start:stop], local_mask)
+    assert bn.running_mean is not None and bn.running_var is not None
+    return {
+        "stats": torch.stack([bn.running_mean, bn.running_var]).double(),
+        "output": output.detach().double(),
+    }
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@_EAGER_AND_COMPILED
+@pytest.mark.timeout(180)  # the compiled scenario's bound plus the pools' start
+def test_an_outlier_at_a_ranks_first_value_stays_accurate(
+    pool2: WorkerPool, pool3: WorkerPool, compiled: bool, masked: bool
+) -> None:
+    """float32 data whose first value on each rank is ~70 standard deviations out: the
+    statistics and the output as float64 BatchNorm's on the same data, to float32's
+    rounding. When each rank shifted its sums by its first value, the statistics were off by
+    up to 1e-3 and the output by 5e-4 (relative); below 1e-6 with the sampled shift."""
+    for pool, sizes in ((pool2, (3, 5)), (pool3, (2, 0, 6))):
+        x, mask = _outlier_batch(sizes)
+        valid = mask if masked else torch.ones_like(mask)
+        values = x.double().permute(0, 2, 3, 1)[valid]  # (M, C): the valid positions
+        var, mean = torch.var_mean(values, dim=0, correction=1)
+        biased = var * (values.shape[0] - 1) / values.shape[0]
+        expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
+        expected = expected * valid.unsqueeze(1)  # padded positions are zero
+        for rank, result in enumerate(pool.run(_outlier_statistics, sizes, compiled, masked)):
+            stats = result["stats"]
+            assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-5
+            assert ((stats[1] - var).abs() / var).max() < 1e-5
+            local = expected[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+            assert result["output"].shape == local.shape
+            assert bool(((result["output"] - local).abs() <= 1e-5 * (1 + local.abs())).all())
+
+
 #: ``momentum`` and ``eps`` in the forms torch's argument parser takes for a float
 _FLOAT_ARGUMENTS: dict[str, tuple[Any, Any]] = {
     "float": (0.3, 1e-5),

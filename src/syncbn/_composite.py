@@ -20,8 +20,9 @@ gradients of the local sums, a float copy of the mask) goes through :func:`compu
 first, so that inductor computes it once instead of once per element.
 
 Exactness is that of the eager path: moments of data shifted by one of the rank's own
-values per channel (no cancellation for inputs whose mean is large compared with their
-spread), the shift added back in float64, the output as ``(x - shift) * scale + offset``
+values per channel (the same :func:`syncbn._kernels.generic.sample_shift`; no
+cancellation for inputs whose mean is large compared with their spread, nor for an
+outlier), the shift added back in float64, the output as ``(x - shift) * scale + offset``
 with ``offset = bias + (shift - mean) * scale`` in float64.
 """
 
@@ -34,7 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from syncbn import _stats
-from syncbn._kernels.generic import channel_view, first_valid_sample, output_offset
+from syncbn._kernels.generic import (
+    channel_view,
+    first_valid_sample,
+    output_offset,
+    sample_shift,
+)
 
 __all__ = [
     "Exchange",
@@ -130,26 +136,36 @@ def _tested_per_element(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 def shifted_moments(input: torch.Tensor, mask: torch.Tensor | None = None) -> ShiftedMoments:
     """Per-channel count and shifted sums of a local ``(N, C, *)`` batch (valid positions only).
 
-    The shift is the batch's first (valid) sample: zeros if there is none, so that a padded
-    NaN never reaches the sums.
+    The shift is :func:`syncbn._kernels.generic.sample_shift` over the (valid) positions,
+    as in eager mode: zeros if there is none, so that a padded NaN never reaches the sums.
     """
     dtype = _stats.stat_dtype(input.dtype)
     x = input.to(dtype)
     ndim, num_channels = x.dim(), x.shape[1]
-    detached = x.detach()
+    detached = input.detach()  # the shift's 9 values, read where the input is
+    # a comparison, not the size's truth value: dynamo 2.4-2.6 guards on the value of a
+    # size taken as a bool (one graph per batch size), on a comparison's result only
+    empty = x.numel() == 0
     valid = None
     if mask is None:
         count = x.new_full((), x.numel() // num_channels, dtype=torch.float64)
-        first = (0, slice(None)) + (0,) * (ndim - 2)
-        # a comparison, not the size's truth value: dynamo 2.4-2.6 guards on the value of a
-        # size taken as a bool (one graph per batch size), on a comparison's result only
-        shift = detached[first] if x.numel() > 0 else x.new_zeros(num_channels)
+        if empty:
+            shift = x.new_zeros(num_channels)
+        else:
+            shift = sample_shift(detached, in_graph=True).to(dtype).view(num_channels)
         centered = x - channel_view(shift, ndim)
     else:
-        valid = valid_positions(mask, x)
-        count = valid.sum(dtype=torch.float64)
-        shift = first_valid_sample(detached, valid.to(torch.int32))  # not bool: see there
-        valid = _tested_per_element(valid, dtype)
+        bool_valid = valid_positions(mask, x)
+        count = bool_valid.sum(dtype=torch.float64)
+        # the first valid value: over an int32 mask, not bool (see first_valid_sample)
+        first = first_valid_sample(detached, bool_valid.to(torch.int32))
+        if empty:
+            shift = first.to(dtype)
+        else:
+            first = channel_view(first, ndim)
+            shift = sample_shift(detached, bool_valid, first, in_graph=True)
+            shift = shift.to(dtype).view(num_channels)
+        valid = _tested_per_element(bool_valid, dtype)
         centered = torch.where(valid, x - channel_view(shift, ndim), 0.0)
     reduced = [0, *range(2, ndim)]
     # the sums are stored anyway; their gradients, expanded over every element, are not

@@ -195,7 +195,7 @@ def pack_forward(
     Returns:
         The moments, whose ``total`` and ``square_total`` are views into the buffer (which
         the collective then sums in place) and whose ``shift`` is in the statistics dtype
-        (a strided view of the input where it can be), and the buffer. With
+        (:func:`syncbn._kernels.generic.sample_shift`), and the buffer. With
         ``triton_sums`` there is no shifted copy (``centered`` is ``None``).
     """
     num_channels = input.shape[1]

@@ -43,7 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from syncbn._kernels.generic import dense_format, first_valid_sample
+from syncbn._kernels.generic import (
+    channel_view,
+    dense_format,
+    first_valid_sample,
+    sample_shift,
+)
 from syncbn._stats import stat_dtype
 
 __all__ = [
@@ -185,14 +190,16 @@ def _mapped(
 
 
 def shift_of(input: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """A call's shift: ``(C,)`` in the statistics dtype, contiguous, the input at its first
-    (valid) position; zeros where no position is valid (a padded NaN never becomes a
-    shift)."""
+    """A call's shift: ``(C,)`` in the statistics dtype, contiguous: the
+    :func:`syncbn._kernels.generic.sample_shift` of a non-empty batch (over its valid
+    positions; zeros where none is valid, so that a padded NaN never becomes a shift)."""
     dtype = stat_dtype(input.dtype)
-    if valid is None:
-        first = input.detach()[(0, slice(None)) + (0,) * (input.dim() - 2)]
-        return first.to(dtype).contiguous()
-    return first_valid_sample(input.detach(), valid).to(dtype)
+    detached = input.detach()
+    fallback = None
+    if valid is not None:
+        fallback = channel_view(first_valid_sample(detached, valid), input.dim())
+    shift = sample_shift(detached, valid, fallback)
+    return shift.to(dtype).view(input.shape[1])
 
 
 def shifted_sums(
