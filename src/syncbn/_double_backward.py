@@ -119,12 +119,15 @@ def differentiable_backward(
     x = input.to(dtype)
     dy = grad_output.to(dtype)
     if need_input:
-        # the statistics as functions of this rank's input, their values unchanged
+        # the statistics as functions of this rank's input, their values unchanged: the
+        # moments of x about the (constant) mean, whose changes are zero in value, and
+        # var = E[(x - c)²] - (E[x] - c)² as an identity, so that every derivative (the
+        # variance's second one through the mean too) is the global batch's
         deviation = x - channel_view(mean, ndim)
         local = torch.stack([deviation.sum(dims), deviation.square().sum(dims)])
         change = SumOfGradients.apply(local - local.detach(), summation) / n
         mean = mean + change[0]
-        var = var + change[1]
+        var = var + change[1] - change[0].square()
     invstd = (var + eps).rsqrt()
     xhat = (x - channel_view(mean, ndim)) * channel_view(invstd, ndim)
     sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
