@@ -319,6 +319,55 @@ def test_triton_passes_equal_the_generic_passes(
     _assert_passes_equal_the_generic_ones(case, shares, masked)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("case", PASSES_CASES, ids=lambda case: f"{case[2]}-{len(case[0])}d")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_the_shift_kernel_equals_the_generic_shift(
+    case: tuple[tuple[int, ...], tuple[int, ...], str], masked: bool, dtype: torch.dtype
+) -> None:
+    """triton_passes.shift_of's one kernel against the generic code's median of 9
+    (sample_shift): bitwise, in every layout, masked with NaN at padded positions, with an
+    outlier at one of its 9 positions, and with every position padded (zeros)."""
+    with fused_finalize():  # the first import of the kernels: interpreted on the CPU
+        from syncbn._kernels import triton_passes
+    from syncbn._kernels.generic import channel_view, first_valid_sample, sample_shift
+
+    shape, mask_shape, layout = case
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 4 + 100).to(dtype)
+    lattice = triton_passes.shift_lattice(x.shape)
+    outlier: list[int | slice] = list(lattice.start)
+    outlier[1] = slice(None)
+    x[tuple(outlier)] = 1e4
+    if layout == "channels_last":
+        x = x.contiguous(
+            memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        )
+    x = x.to(DEVICE)
+    masks: list[torch.Tensor | None] = [None]
+    if masked:
+        some = torch.rand(mask_shape, generator=generator) < 0.5
+        masks = [some, torch.zeros(mask_shape, dtype=torch.bool)]
+    for mask in masks:
+        valid = None
+        expected_input = x
+        if mask is not None:
+            valid = mask.to(DEVICE).expand(shape[0], *shape[2:]).unsqueeze(1)
+            expected_input = x.masked_fill(~valid, float("nan"))
+        fallback = None
+        if valid is not None:
+            first = first_valid_sample(expected_input, valid)
+            fallback = channel_view(first, x.dim())
+        expected = sample_shift(expected_input, valid, fallback).view(-1)
+        actual = triton_passes.shift_of(expected_input, valid)
+        assert actual.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=0, atol=0)
+        assert bool(actual.isfinite().all())
+        assert bool((actual != 1e4).all())  # the outlier is never the shift
+        if mask is not None and not bool(mask.any()):
+            assert bool((actual == 0).all())
+
+
 #: tiles other than the default, ``(channels, positions)``, which benchmarks/gpu_probe.py
 #: times on a GPU: wide in channels, square, and small (many blocks of both)
 OTHER_TILES = [(64, 16), (32, 32), (8, 16)]
@@ -426,6 +475,7 @@ KERNELS = {
         "_finalize_backward_kernel",
     ),
     "triton_passes": (
+        "_shift_kernel",
         "_shifted_sums_kernel",
         "_normalize_kernel",
         "_backward_reduce_kernel",
@@ -800,31 +850,32 @@ def _call_kernels(fused: bool, masked: bool) -> tuple[list[str], list[str]]:
     return forward.kernels, backward.kernels
 
 
-def test_a_deferred_call_runs_3_torch_kernels_and_8_triton_ones() -> None:
-    """The torch kernels of a deferred call with the fused kernels on: forward 2 (the shift
-    made contiguous, the sum of the local sums' partial sums; and 4 Triton kernels: the
-    local sums, the packing, the per-channel maths, the output), backward 1 (the sum of
-    the partial sums; and 4: the sums, the packing, the corrections, the input gradient),
-    against the 33 and 10 of tests/test_op_budget.py's generic count; on a GPU each
-    direction also copies its header to the host, as before. On a GPU each is a launch
-    (the first GPU run: host-bound, ~2.2 ms per call)."""
+def test_a_deferred_call_runs_2_torch_kernels_and_9_triton_ones() -> None:
+    """The torch kernels of a deferred call with the fused kernels on: forward 1 (the sum of
+    the local sums' partial sums; and 5 Triton kernels: the shift, the local sums, the
+    packing, the per-channel maths, the output), backward 1 (the sum of the partial sums;
+    and 4: the sums, the packing, the corrections, the input gradient), against the 39 and
+    10 of tests/test_op_budget.py's generic count; on a GPU each direction also copies its
+    header to the host, as before. On a GPU each is a launch (the first GPU run:
+    host-bound, ~2.2 ms per call). Before the shift was a median of 9 values, forward ran
+    the first value made contiguous instead of the shift's kernel."""
     forward, backward = _call_kernels(fused=True, masked=False)
     # on CUDA the deferred check's copy of the header to pinned host memory is one more
     # (with the generic maths too)
     copy = int(DEVICE == "cuda")
-    assert len(forward) <= 2 + copy, forward
+    assert len(forward) <= 1 + copy, forward
     assert len(backward) <= 1 + copy, backward
     # no pass over the data is torch's: the local sums are Triton's
     assert "native_batch_norm_backward" not in forward + backward, (forward, backward)
 
 
-def test_a_masked_deferred_call_runs_9_torch_kernels_and_8_triton_ones() -> None:
+def test_a_masked_deferred_call_runs_9_torch_kernels_and_9_triton_ones() -> None:
     """A masked call's passes over the data are syncbn._kernels.triton_passes' Triton
     kernels too, around the fused packing and per-channel maths. Counted with torch 2.14
-    on the CPU, against the generic maths' forward 45 and backward 19: forward 8 (the valid
-    count, the first valid sample's 6, the sum of the partial sums; and 4 Triton kernels),
-    backward 1 (the sum of the partial sums; and 4); on a GPU each direction also copies
-    its header to the host."""
+    on the CPU, against the generic maths' forward 49 and backward 16: forward 8 (the valid
+    count, the first valid sample's 6, which replaces padded values among the shift's 9,
+    the sum of the partial sums; and 5 Triton kernels), backward 1 (the sum of the partial
+    sums; and 4); on a GPU each direction also copies its header to the host."""
     generic_forward, generic_backward = _call_kernels(fused=False, masked=True)
     forward, backward = _call_kernels(fused=True, masked=True)
     copy = int(DEVICE == "cuda")

@@ -18,10 +18,11 @@ kernels' two. Before the collective, :func:`pack_forward` adds the shift back to
 sums and packs the buffer in one kernel (the generic code runs five). In the backward,
 :func:`pack_backward` packs the local sums in one kernel (CUDA's ``torch.cat`` of mixed
 dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
-gradient's corrections in one (the generic code runs three). A call then runs 6 torch
-kernels and these 4 instead of 43: the shifted copy, its sums and the output in forward,
-the sums, the correction pass and the gradient in backward; with
-:mod:`syncbn._kernels.triton_passes` (below) 3 torch kernels and 8 Triton ones.
+gradient's corrections in one (the generic code runs three). A call then runs 12 torch
+kernels and these 4 instead of 49: the shift (a median of 9 values, 6 element-wise
+kernels), the shifted copy, its sums and the output in forward, the sums, the correction
+pass and the gradient in backward; with :mod:`syncbn._kernels.triton_passes` (below) 2
+torch kernels and 9 Triton ones (the shift one of them).
 
 Deferred calls take them (an immediate call's count is a number on the host), masked ones
 too: their count of valid positions is a tensor that the packing kernel reads on the
