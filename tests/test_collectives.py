@@ -281,7 +281,7 @@ def assert_large_mean_accurate(sizes: tuple[int, ...], per_rank: list[dict[str, 
         assert bool(((result["output"] - local).abs() < 1e-5).all())
 
 
-#: an outlier's value in :func:`_outlier_statistics`: about 70 standard deviations of the
+#: an outlier's value in :func:`outlier_statistics`: about 70 standard deviations of the
 #: local batch it sits in (one value among ~5000 of N(0, 1))
 _OUTLIER = 1e4
 
@@ -300,20 +300,29 @@ def _outlier_batch(sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mask
 
 
-def _outlier_statistics(
-    rank: int, world_size: int, sizes: tuple[int, ...], compiled: bool, masked: bool
+def outlier_statistics(
+    rank: int,
+    world_size: int,
+    sizes: tuple[int, ...],
+    compiled: bool,
+    masked: bool,
+    device: str = "cpu",
+    backend: str = "aot_eager",
 ) -> dict[str, torch.Tensor]:
+    """One rank's share of :func:`_outlier_batch` through a synchronized layer (also for
+    tests/test_cuda.py, on ``device``, compiled with ``backend``): running statistics and
+    output, on the CPU."""
     torch._dynamo.reset()
     x, mask = _outlier_batch(sizes)
     start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    bn = syncbn.SyncBatchNorm(4, momentum=1.0, affine=False)  # running stats = the batch's
-    run = torch.compile(bn, fullgraph=True, backend="aot_eager") if compiled else bn
-    local_mask = mask[start:stop] if masked else None
-    output = run(x[start:stop], local_mask)
+    bn = syncbn.SyncBatchNorm(4, momentum=1.0, affine=False, device=device)  # the batch's
+    run = torch.compile(bn, fullgraph=True, backend=backend) if compiled else bn
+    local_mask = mask[start:stop].to(device) if masked else None
+    output = run(x[start:stop].to(device), local_mask)
     assert bn.running_mean is not None and bn.running_var is not None
     return {
-        "stats": torch.stack([bn.running_mean, bn.running_var]).double(),
-        "output": output.detach().double(),
+        "stats": torch.stack([bn.running_mean, bn.running_var]).double().cpu(),
+        "output": output.detach().double().cpu(),
     }
 
 
@@ -328,20 +337,29 @@ def test_an_outlier_at_a_ranks_first_value_stays_accurate(
     rounding. When each rank shifted its sums by its first value, the statistics were off by
     up to 1e-3 and the output by 5e-4 (relative); below 1e-6 with the sampled shift."""
     for pool, sizes in ((pool2, (3, 5)), (pool3, (2, 0, 6))):
-        x, mask = _outlier_batch(sizes)
-        valid = mask if masked else torch.ones_like(mask)
-        values = x.double().permute(0, 2, 3, 1)[valid]  # (M, C): the valid positions
-        var, mean = torch.var_mean(values, dim=0, correction=1)
-        biased = var * (values.shape[0] - 1) / values.shape[0]
-        expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
-        expected = expected * valid.unsqueeze(1)  # padded positions are zero
-        for rank, result in enumerate(pool.run(_outlier_statistics, sizes, compiled, masked)):
-            stats = result["stats"]
-            assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-5
-            assert ((stats[1] - var).abs() / var).max() < 1e-5
-            local = expected[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
-            assert result["output"].shape == local.shape
-            assert bool(((result["output"] - local).abs() <= 1e-5 * (1 + local.abs())).all())
+        results = pool.run(outlier_statistics, sizes, compiled, masked)
+        assert_outlier_accurate(sizes, masked, results)
+
+
+def assert_outlier_accurate(
+    sizes: tuple[int, ...], masked: bool, per_rank: list[dict[str, torch.Tensor]]
+) -> None:
+    """:func:`outlier_statistics`' results against float64 statistics of the same float32
+    data (its valid positions): relative 1e-5."""
+    x, mask = _outlier_batch(sizes)
+    valid = mask if masked else torch.ones_like(mask)
+    values = x.double().permute(0, 2, 3, 1)[valid]  # (M, C): the valid positions
+    var, mean = torch.var_mean(values, dim=0, correction=1)
+    biased = var * (values.shape[0] - 1) / values.shape[0]
+    expected = (x.double() - mean.view(1, -1, 1, 1)) / (biased.view(1, -1, 1, 1) + 1e-5).sqrt()
+    expected = expected * valid.unsqueeze(1)  # padded positions are zero
+    for rank, result in enumerate(per_rank):
+        stats = result["stats"]
+        assert ((stats[0] - mean).abs() / mean.abs()).max() < 1e-5
+        assert ((stats[1] - var).abs() / var).max() < 1e-5
+        local = expected[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+        assert result["output"].shape == local.shape
+        assert bool(((result["output"] - local).abs() <= 1e-5 * (1 + local.abs())).all())
 
 
 #: ``momentum`` and ``eps`` in the forms torch's argument parser takes for a float

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from _gold import Case, compare, reference, run_rank
 from _harness import WorkerPool
+from test_collectives import assert_outlier_accurate, outlier_statistics
 from test_data_parallel import one_device_matches_batchnorm
 from test_ddp import _max_error, _train_ddp, _train_reference
 from test_double_backward import assert_equals_the_global_batch, penalized_ranks_step
@@ -494,3 +495,29 @@ def test_check_deferred_waits_for_the_headers_copy_on_cuda() -> None:
     syncbn.check_deferred()  # forgotten once raised
     layer(x, mask=mask.logical_not())
     syncbn.check_deferred()  # a good call checks clean
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.timeout(240)
+def test_an_outlier_at_a_ranks_first_value_stays_accurate_on_cuda(
+    pool2: WorkerPool, compiled: bool, masked: bool
+) -> None:
+    """tests/test_collectives.py's outlier case on CUDA through gloo (deferred checks;
+    compiled: inductor's Triton kernels), with the generic kernels and with the fused
+    Triton candidates (``triton_passes.shift_of``'s median of 9)."""
+    sizes = (3, 5)
+    results = pool2.run(outlier_statistics, sizes, compiled, masked, "cuda", "inductor")
+    assert_outlier_accurate(sizes, masked, results)
+    if not compiled:
+        fused = pool2.run(_with_fused_finalize, outlier_statistics, sizes, False, masked, "cuda")
+        assert_outlier_accurate(sizes, masked, fused)
+
+
+def _with_fused_finalize(rank: int, world_size: int, scenario: Any, *args: Any) -> Any:
+    """``scenario`` with syncbn._kernels.finalize and its Triton passes on for CUDA."""
+    _kernels.use_fused_finalize("cuda")
+    try:
+        return scenario(rank, world_size, *args)
+    finally:
+        _kernels.use_fused_finalize("cuda", enabled=False)
