@@ -55,8 +55,8 @@ def test_one_outlier_anywhere_never_becomes_the_shift(shape: tuple[int, ...]) ->
 
 
 def test_four_outliers_among_the_nine_values_can_move_it() -> None:
-    """The ninther's guarantee is 3 outliers: it lies between the 3rd and 7th smallest
-    of its 9 values. 4 outliers in the right places make it one of them."""
+    """The ninther's guarantee is 3 outliers: to be one, it needs two groups with two
+    each. 4 outliers in the right places make it one of them."""
     values = torch.zeros(3, 3, 1)
     values[0, 0] = values[0, 1] = values[1, 0] = values[1, 1] = 1e6
     assert ninther(values).item() == 1e6

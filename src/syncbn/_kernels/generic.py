@@ -239,8 +239,8 @@ def _lattice_gather(x: torch.Tensor, lattice: ShiftLattice) -> torch.Tensor:
 def ninther(values: torch.Tensor) -> torch.Tensor:
     """The median of the medians of 3 of ``(3, 3, *)`` values: ``(*)``.
 
-    One of the 9 values, and between their 3rd and 7th smallest: it moves only if 4 of
-    them are outliers. A median of 3 is the third value clamped between the min and max of
+    One of the 9 values, and an outlier only if 4 of them are (two groups need two
+    each). A median of 3 is the third value clamped between the min and max of
     the other two: 6 element-wise kernels in all, where ``torch.median`` over a dimension
     costs about 0.5 µs per channel on a CPU, and ``torch.aminmax`` over a pair 3x an
     element-wise ``minimum`` (1024 channels). NaN values give NaN.
