@@ -30,6 +30,7 @@ __all__ = [
     "first_valid_sample",
     "in_place_masked",
     "input_grad",
+    "lattice_offsets",
     "local_moments",
     "masked_input_grad",
     "normalize",
@@ -198,19 +199,23 @@ def shift_lattice(shape: torch.Size | tuple[int, ...]) -> ShiftLattice:
     return ShiftLattice(tuple(start), 0, group_step, ndim - 1, member_step)
 
 
+def lattice_offsets(x: torch.Tensor, lattice: ShiftLattice) -> tuple[int, int, int]:
+    """Where ``lattice``'s values are in ``x``'s memory, in elements from its first: the
+    first value's channel 0, and the steps between groups and between members (the
+    strided view here, Triton's kernel in :mod:`syncbn._kernels.triton_passes`)."""
+    stride = x.stride()
+    first = sum(index * stride[dim] for dim, index in enumerate(lattice.start) if dim != 1)
+    group = lattice.group_step * stride[lattice.group_dim]
+    return first, group, lattice.member_step * stride[lattice.member_dim]
+
+
 def _lattice_view(x: torch.Tensor, lattice: ShiftLattice) -> torch.Tensor:
     """The 9 values per channel of ``lattice`` as one strided view of ``x`` (no copy), of
     shape ``(3, 3, 1, C, 1, ...)``: the last dimensions broadcast against ``x``'s."""
-    stride = x.stride()
-    offset = x.storage_offset() + sum(i * s for i, s in zip(lattice.start, stride))
+    first, group, member = lattice_offsets(x, lattice)
     size = (3, 3, 1, x.shape[1]) + (1,) * (x.dim() - 2)
-    steps = (
-        lattice.group_step * stride[lattice.group_dim],
-        lattice.member_step * stride[lattice.member_dim],
-        0,
-        stride[1],
-    ) + (0,) * (x.dim() - 2)
-    return x.as_strided(size, steps, offset)
+    steps = (group, member, 0, x.stride(1)) + (0,) * (x.dim() - 2)
+    return x.as_strided(size, steps, x.storage_offset() + first)
 
 
 def _lattice_gather(x: torch.Tensor, lattice: ShiftLattice) -> torch.Tensor:

@@ -45,7 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from syncbn._kernels.generic import ShiftLattice, dense_format, first_valid_sample, shift_lattice
+from syncbn._kernels.generic import (
+    dense_format,
+    first_valid_sample,
+    lattice_offsets,
+    shift_lattice,
+)
 from syncbn._stats import stat_dtype
 
 __all__ = [
@@ -188,15 +193,6 @@ def _mapped(
     return result
 
 
-def _lattice_offsets(tensor: torch.Tensor, lattice: ShiftLattice) -> tuple[int, int, int]:
-    """Where ``lattice``'s values are in ``tensor``'s memory (elements from its first): the
-    first value's channel 0, and the steps between groups and between members."""
-    stride = tensor.stride()
-    first = sum(index * stride[dim] for dim, index in enumerate(lattice.start) if dim != 1)
-    group = lattice.group_step * stride[lattice.group_dim]
-    return first, group, lattice.member_step * stride[lattice.member_dim]
-
-
 def shift_of(input: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """A call's shift: ``(C,)`` in the statistics dtype, contiguous: the
     :func:`syncbn._kernels.generic.sample_shift` of a non-empty batch (over its valid
@@ -213,7 +209,7 @@ def shift_of(input: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     if valid is not None:
         fallback = first_valid_sample(detached, valid)
         bits = valid.view(torch.uint8)  # (a bool is a byte; any strides, expanded too)
-        valid_offsets = _lattice_offsets(valid, lattice)
+        valid_offsets = lattice_offsets(valid, lattice)
     shift = torch.empty(num_channels, dtype=stat_dtype(input.dtype), device=input.device)
     with on_device_of(input):
         _shift_kernel[(_ceil_div(num_channels, _SHIFT_BLOCK_C),)](
@@ -223,7 +219,7 @@ def shift_of(input: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
             shift,
             num_channels,
             input.stride(1),
-            *_lattice_offsets(input, lattice),
+            *lattice_offsets(input, lattice),
             *valid_offsets,
             MASKED=masked,
             BLOCK_C=_SHIFT_BLOCK_C,
