@@ -527,6 +527,53 @@ def test_a_layer_whose_group_was_destroyed_raises_and_updates_nothing(
         assert result["counted"] == 1, result
 
 
+def _group_facts_scenario(rank: int, world_size: int) -> dict[str, Any]:
+    """What each call reads of its process group once per group
+    (``distributed.group_world_size``, ``check_collective``), against torch's own queries:
+    a live group's, a destroyed one's, a group without this rank."""
+    ranks = list(range(world_size))
+    group = dist.new_group(ranks)
+    sizes = [distributed.group_world_size(group), distributed.group_world_size(None)]
+    remembered = distributed._live_facts(group) is not None
+    wrong_device = [
+        outcome(lambda: distributed.check_collective(torch.device("meta"), group)),
+        outcome(lambda: distributed.check_device_backend(torch.device("meta"), group)),
+    ]
+    dist.destroy_process_group(group)
+    _DESTROYED_GROUPS.append(group)
+    forgotten = distributed._live_facts(group) is None
+    destroyed = outcome(lambda: distributed.check_collective(torch.device("cpu"), group))
+    alone = dist.new_group([0])  # rank 1 receives no group: NON_GROUP_MEMBER
+    not_member = outcome(lambda: distributed.group_world_size(alone))
+    return {
+        "sizes": sizes,
+        "remembered": remembered,
+        "wrong_device": wrong_device,
+        "forgotten": forgotten,
+        "destroyed": destroyed,
+        "not_member": not_member,
+    }
+
+
+def test_group_facts_are_read_once_per_live_group(pool2: WorkerPool) -> None:
+    """A group's world size and backend, read at every call through several
+    ``torch.distributed`` queries before, are remembered per live group: the same answers
+    and refusals as torch's queries, and a destroyed group is read (and refused) again."""
+    for rank, result in enumerate(pool2.run(_group_facts_scenario, timeout=60.0)):
+        assert result["sizes"] == [2, 2] and result["remembered"], result
+        remembered_check, torch_check = result["wrong_device"]
+        assert remembered_check == torch_check, result
+        assert remembered_check[0] == "RuntimeError" and "device type 'meta'" in remembered_check[1]
+        assert result["forgotten"], result
+        kind, message = result["destroyed"]
+        assert kind == "RuntimeError" and "process group has been destroyed" in message, result
+        if rank == 0:
+            assert result["not_member"] == ("ok", ""), result
+        else:
+            kind, message = result["not_member"]
+            assert kind == "RuntimeError" and "does not contain this rank" in message, result
+
+
 class _EventThatMustNotBeQueried:
     def query(self) -> bool:
         raise AssertionError("a CUDA event was queried")

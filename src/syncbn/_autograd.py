@@ -240,8 +240,7 @@ class ProcessGroupReducer(NamedTuple):
     participants: str = "ranks"
 
     def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
-        distributed.check_alive(self.group)
-        distributed.check_device_backend(buffer.device, self.group)
+        distributed.check_collective(buffer.device, self.group)
         return distributed.all_reduce_sum_(buffer, self.group)
 
     def dissolved_test(self) -> Callable[[], bool]:
@@ -268,7 +267,7 @@ class LocalReducer(NamedTuple):
 def reducer_for(group: dist.ProcessGroup | None, force: bool = False) -> Reducer:
     """The reducer of a layer call over ``group``: local when the group has one rank (or
     there is none), unless ``force`` (tests and benchmarks of the synchronized path)."""
-    world_size = distributed.get_world_size(group)
+    world_size = distributed.group_world_size(group)
     if world_size <= 1 and not force:
         return LocalReducer()
     return ProcessGroupReducer(group, world_size)
