@@ -233,6 +233,7 @@ def check_device_backend(device: torch.device, group: dist.ProcessGroup | None =
 
 
 def _check_device_type(device: torch.device, backend: str) -> None:
+    """:func:`check_device_backend` for a backend already read (``str`` of its name)."""
     supported = _supported_device_types(backend)
     if supported is not None and device.type not in supported:
         raise RuntimeError(
