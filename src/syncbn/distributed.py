@@ -181,12 +181,12 @@ def _live_facts(group: dist.ProcessGroup | None) -> _GroupFacts | None:
 
 def _remember_facts(group: dist.ProcessGroup | None) -> None:
     """Read ``group``'s facts and remember them, if it lives in an initialized world."""
-    if not is_distributed() or destroyed_test(group)():
+    if not is_distributed():
         return
-    resolved = dist.group.WORLD if group is None else group
-    facts = _GroupFacts(
-        dist.get_world_size(group), str(dist.get_backend(group)), destroyed_test(resolved)
-    )
+    destroyed = destroyed_test(group)  # for None, that of the default group now
+    if destroyed():
+        return
+    facts = _GroupFacts(dist.get_world_size(group), str(dist.get_backend(group)), destroyed)
     if group is None:
         _default_group_facts[0] = facts
     else:
