@@ -5,7 +5,8 @@ Most scenarios compile with the ``aot_eager`` backend: it runs dynamo and AOTAut
 ops are about) without inductor's C++ code generation, which costs g++ seconds per kernel
 on this 2-core machine while the cache is cold. The scenarios about inductor itself (the
 order of collectives on an empty rank, compiled equals eager, fusion) compile at most two
-graphs per rank, from the pool's scalar kernels (see ``tests/_harness.py``).
+graphs per rank, from the pool's scalar kernels (see ``tests/_harness.py``), with the batch
+size dynamic from the start, so that ranks and tests share them (:func:`_batch_dynamic`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,20 @@ def _inductor_once() -> None:
     inductor_config.compile_threads = 1
 
 
+def _batch_dynamic(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its batch size traced as a symbol from the first call on.
+
+    Dynamo does so by itself from the second batch size on (automatic dynamic shapes), and
+    specializes sizes 0 and 1 all the same: these are the graphs a user's training gets
+    once its batch size has changed. Marked from the start, every rank of every world size
+    compiles the same graph for its batches of 2 or more, where static sizes gave each
+    rank graphs of its own: inductor's caches (its graphs by content, g++'s output under a
+    file lock) then build it once, not once per rank and per test, while the cache is cold.
+    """
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x
+
+
 class _Residual(nn.Module):
     """Two synchronized layers, ReLU and a residual add: elementwise work for inductor to fuse."""
 
@@ -156,6 +171,12 @@ class _Residual(nn.Module):
         return torch.relu(self.bn2(torch.relu(self.bn1(x))) + x)
 
 
+#: each rank's two local batch sizes in the inductor scenarios: uneven, then an empty rank.
+#: No batch of 1, which dynamo specializes as it does 0 (:func:`_batch_dynamic`): it would
+#: be one more graph per test, and test_ddp.py's compiled scenarios compile one with inductor
+_INDUCTOR_SIZES = [[3, 0], [2, 4], [4, 2]]
+
+
 def _inductor_vs_eager(rank: int, world_size: int, channels_last: bool) -> dict[str, Any]:
     torch._dynamo.reset()
     _inductor_once()
@@ -166,14 +187,13 @@ def _inductor_vs_eager(rank: int, world_size: int, channels_last: bool) -> dict[
     compiled = torch.compile(compiled_model, fullgraph=True)  # inductor: generated C++ kernels
     gen = torch.Generator().manual_seed(rank)
     records: dict[str, list[dict[str, torch.Tensor]]] = {"eager": [], "compiled": []}
-    # uneven, then an empty rank: two graphs per rank at most (static sizes, then 0 or
-    # dynamic ones; see the module's docstring)
-    for size in _local_sizes(rank, world_size)[:2]:
+    # uneven, then an empty rank: two graphs, the same on every rank but for the empty batch
+    for size in _INDUCTOR_SIZES[rank]:
         x = torch.randn(size, 3, 4, 4, generator=gen, dtype=torch.float64)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         for name, model, run in (("eager", eager, eager), ("compiled", compiled_model, compiled)):
-            x_grad = x.clone().requires_grad_()
+            x_grad = _batch_dynamic(x.clone().requires_grad_())
             y = run(x_grad)
             y.square().sum().backward()
             records[name].append(
@@ -213,7 +233,7 @@ def _generated_kernels(rank: int, world_size: int) -> dict[str, int]:
         model = nn.Sequential(syncbn.SyncBatchNorm(3), *tail).double()
         compiled = torch.compile(model, fullgraph=True)
         x = torch.randn(2 + rank, 3, 4, 4, dtype=torch.float64, requires_grad=True)
-        compiled(x).sum().backward()
+        compiled(_batch_dynamic(x)).sum().backward()
         counts[name] = metrics.generated_kernel_count
     return counts
 
@@ -403,17 +423,18 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
 
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
     """Rank 0's second local batch is empty (a graph of its own: dynamo specializes size 0),
-    while rank 1's runs the graph recompiled for dynamic sizes: two graphs per rank (see
-    the module's docstring).
+    while rank 1's runs the graph for dynamic batch sizes (:func:`_batch_dynamic`), as
+    both ranks did at the first step.
 
     Without the chain of ``syncbn._compiled``'s ops (the forward order token, each
     backward op reading the previous one's output), nothing in that graph orders one
     layer's collective op after another's, and inductor ran them out of order there: in
     the forward of the convolutional model (2 layers), in the backward of the linear one
     (3 layers; with 2 the order held by chance, and the linear model's forward kept it).
-    Both were checked with the chain taken out (on 2026-11-29 with these sizes: the
-    forward token replaced by a fresh tensor fails the convolutional case, each backward
-    op reading its own input fails the linear one).
+    Both were checked with the chain taken out (on 2026-11-29 with these sizes and static
+    shapes, again on 2026-12-06 with the batch size dynamic from the start: the forward
+    token replaced by a fresh tensor fails the convolutional case, gloo aborting on the
+    payload sizes; each backward op reading its own input fails the linear one).
     """
     _inductor_once()
     torch._dynamo.reset()
@@ -448,7 +469,9 @@ def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tup
         # the convolutional model's empty step is forward only: inductor's compiled
         # convolution_backward fails its own stride assertion on an empty batch (torch
         # 2.13, plain BatchNorm models too)
-        outcomes.append(outcome(step, x, kind == "linear" or index < len(sizes) - 1))
+        outcomes.append(
+            outcome(step, _batch_dynamic(x), kind == "linear" or index < len(sizes) - 1)
+        )
     return outcomes
 
 
@@ -514,7 +537,7 @@ def _checkpointed_empty_rank_with_inductor(
         x = torch.randn(size, 4, 6, dtype=torch.float64)
         grads = []
         for module in (compiled, reference):
-            leaf = x.clone().requires_grad_(input_grad)
+            leaf = _batch_dynamic(x.clone().requires_grad_(input_grad))
             with _site_tensors_read_on_the_host() as host_reads:
                 module(leaf).sin().sum().backward()
             results["host_reads"] += len(host_reads)
