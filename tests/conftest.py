@@ -10,6 +10,21 @@ from _harness import WorkerPool
 __all__ = ["pool", "pool2", "pool3"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Inductor's vectorized kernels in the pytest process, for the instruction set that
+    torch reports the CPU has, without its build-and-load probe of each (an ``avx512``
+    machine probes four: 14 s of g++ the first time, 2 s of subprocesses in every
+    process). The probe picks the same set here; ``TORCHINDUCTOR_VEC_ISA_OK`` set by
+    the caller still decides. The pool's ranks and the launched examples compile
+    scalar kernels (``tests/_harness.py``): spawned, they start from torch's defaults."""
+    import os
+
+    if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.vec_isa_ok = True
+
+
 def _pool(world_size: int) -> Iterator[WorkerPool]:
     pool = WorkerPool(world_size)
     try:
