@@ -16,6 +16,7 @@ import copy
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -685,19 +686,57 @@ torch.testing.assert_close(compiled(x, mask), step(x, mask), rtol=1e-10, atol=1e
 """
 
 
-def _run_in_a_fresh_process(script: str) -> None:
-    """Run ``script`` in a new Python process (no syncbn state yet); fail with its stderr."""
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+#: a script's process and the file that gets its stderr
+_FreshProcess = tuple[subprocess.Popen[bytes], Path]
+
+
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _FreshProcess]]:
+    """This module's scripts, each in a new Python process (no syncbn state yet), all
+    started at once: each spends seconds importing torch, which side by side on two cores
+    costs less than one after the other. Each test waits for its own; whatever still runs
+    when the module ends is killed."""
+    scripts = {
+        "functional": _FUNCTIONAL_IN_A_FRESH_PROCESS,
+        "inference_mode": _FIRST_LAYER_UNDER_INFERENCE_MODE,
+        "meta": _LOADED_INTO_A_META_LAYER,
+    }
+    logs = tmp_path_factory.mktemp("fresh-processes")
+    processes: dict[str, _FreshProcess] = {}
+    try:
+        for name, script in scripts.items():
+            log = logs / f"{name}.log"
+            with log.open("wb") as stderr:
+                command = [sys.executable, "-c", script]
+                processes[name] = (
+                    subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr),
+                    log,
+                )
+        yield processes
+    finally:
+        for process, _ in processes.values():
+            process.kill()
+            process.wait()
+
+
+def _succeeds(processes: dict[str, _FreshProcess], name: str) -> None:
+    """Wait for the script ``name`` of :func:`fresh_processes`; fail with its stderr."""
+    process, log = processes[name]
+    try:
+        process.wait(timeout=100)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.timeout(120)
-def test_the_functional_form_compiles_first_in_a_fresh_process() -> None:
+def test_the_functional_form_compiles_first_in_a_fresh_process(
+    fresh_processes: dict[str, _FreshProcess],
+) -> None:
     """No SyncBatchNorm layer built before: the custom ops must exist all the same (they
     used to be defined by the first layer's construction, and this raised AttributeError)."""
-    _run_in_a_fresh_process(_FUNCTIONAL_IN_A_FRESH_PROCESS)
+    _succeeds(fresh_processes, "functional")
 
 
 _FIRST_LAYER_UNDER_INFERENCE_MODE = """
@@ -720,11 +759,13 @@ torch.testing.assert_close(layer.running_mean, reference.running_mean, rtol=1e-1
 
 
 @pytest.mark.timeout(120)
-def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_working() -> None:
+def test_a_first_layer_built_under_inference_mode_leaves_compiled_training_working(
+    fresh_processes: dict[str, _FreshProcess],
+) -> None:
     """The first layer built on a device creates that device's order token, which compiled
     synchronizing ops advance in place: built under ``torch.inference_mode`` it was an
     inference tensor, and every later compiled training call in the process failed."""
-    _run_in_a_fresh_process(_FIRST_LAYER_UNDER_INFERENCE_MODE)
+    _succeeds(fresh_processes, "inference_mode")
 
 
 _LOADED_INTO_A_META_LAYER = """
@@ -747,11 +788,13 @@ torch.testing.assert_close(layer.running_var, reference.running_var, rtol=1e-10,
 
 
 @pytest.mark.timeout(120)
-def test_a_layer_loaded_with_assign_into_the_meta_device_compiles_in_a_checkpoint() -> None:
+def test_a_layer_loaded_with_assign_into_the_meta_device_compiles_in_a_checkpoint(
+    fresh_processes: dict[str, _FreshProcess],
+) -> None:
     """``load_state_dict(assign=True)`` into a layer built on ``meta`` left the layer's
     compiled state (order token, site tensor) unprepared: dynamo refused to create the
     token inside the checkpointed region at every call."""
-    _run_in_a_fresh_process(_LOADED_INTO_A_META_LAYER)
+    _succeeds(fresh_processes, "meta")
 
 
 @pytest.mark.skipif(not _autograd._REFUSES_EPS, reason="torch < 2.10 takes eps <= 0")

@@ -295,8 +295,13 @@ _FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 @pytest.mark.skipif(
     not _FSDP2_ON_CPU, reason="FSDP2 (fully_shard) on the CPU is checked from torch 2.8 on"
 )
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("sizes_index", [0, 1], ids=["even", "uneven"])
+# compiled: uneven local batches only (an empty rank on 3 ranks), where even ones add no
+# graph break nor collective of their own (4-6 s each)
+@pytest.mark.parametrize(
+    ("sizes_index", "compiled"),
+    [(0, False), (1, False), (1, True)],
+    ids=["even-eager", "uneven-eager", "uneven-compiled"],
+)
 def test_fsdp2_training_matches_global_batch(
     pool: WorkerPool, sizes_index: int, compiled: bool
 ) -> None:
