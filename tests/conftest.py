@@ -1,7 +1,9 @@
-"""Session-wide fixtures: one pool of 2 gloo ranks and one of 3, shared by every test."""
+"""Session-wide setup: inductor's vector instruction set in the pytest process, and the
+fixtures of one pool of 2 gloo ranks and one of 3, shared by every test."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -17,8 +19,6 @@ def pytest_configure(config: pytest.Config) -> None:
     process). The probe picks the same set here; ``TORCHINDUCTOR_VEC_ISA_OK`` set by
     the caller still decides. The pool's ranks and the launched examples compile
     scalar kernels (``tests/_harness.py``): spawned, they start from torch's defaults."""
-    import os
-
     if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
         import torch._inductor.config as inductor_config
 
