@@ -110,9 +110,9 @@ def _train_steps(
             local = slice(start, start + sizes[rank])
             x, y = x[local].to(device), y[local].to(device)
             if options.get("compile") == "inductor":
-                # the batch size a symbol from the start: the ranks of both world sizes
-                # then compile the same graphs, built once (test_compile.py's _batch_dynamic)
-                torch._dynamo.maybe_mark_dynamic(x, 0)
+                from test_compile import _batch_dynamic
+
+                x = _batch_dynamic(x)  # the ranks of both world sizes share its graphs
             # DDP averages gradients over ranks: scale so the average is the global-batch mean
             if backward is not None:
                 backward(x, y, world_size / total)
