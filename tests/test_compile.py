@@ -842,6 +842,39 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
         assert torch.Tag.pt2_compliant_tag in getattr(ops, op).default.tags
 
 
+def test_the_forward_op_skips_no_dispatch_mode_when_nothing_records() -> None:
+    """Without grad (a compiled forward graph's calls), the forward op's autograd kernel
+    calls its implementation directly only where nothing but the backend is left below
+    autograd: a dispatch mode (tracing, fake tensors, a recorder) still receives the op
+    itself, and both ways give the same outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    layer = syncbn.SyncBatchNorm(8)
+    moments = torch.rand(2 * 8 + 1, dtype=torch.float64)
+    moments[0] = 36.0  # the count
+    order = _compiled.order_token(moments.device)
+    args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1, _compiled.REVISION)
+    with torch.no_grad():
+        direct = torch.ops.syncbn.sync_moments.default(*args)
+        with Recorder() as recorder:
+            recorded = torch.ops.syncbn.sync_moments.default(*args)
+    assert recorder.names[0] == "sync_moments", recorder.names
+    for one, other in zip(direct, recorded):
+        torch.testing.assert_close(one, other, rtol=0, atol=0)
+    torch.testing.assert_close(direct[0], moments, rtol=0, atol=0)  # one process: local
+
+
 def test_the_functional_form_compiles_where_it_does_not_synchronize() -> None:
     """Without a process group (and without a mask) the functional training call is torch's
     batch norm; asking whether autograd recomputes a checkpoint broke the graph there."""

@@ -32,7 +32,9 @@ backward
 
 Under ``torch.compile`` the maths are fused into the graph's kernels, and what each call
 still issues on its own is the body of the ``syncbn::`` ops (:mod:`syncbn._compiled`):
-kernels forward 5 (immediate) or 8 (deferred), backward 4.
+kernels forward 5 (immediate) or 8 (deferred), backward 3 (4 before its gradient was
+written with one ``torch.cat`` into the output, rather than a copy into a slice and a
+``zero_`` of another).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def test_a_training_call_stays_within_its_op_budget(kind: str) -> None:
 
 
 #: kernels per call of the compiled ops' bodies, forward by check mode, and backward
-COMPILED_BUDGETS = {"immediate": 6, "deferred": 9, "backward": 5}
+COMPILED_BUDGETS = {"immediate": 6, "deferred": 9, "backward": 4}
 
 
 @pytest.mark.parametrize("check_mode", ["immediate", "deferred"])

@@ -194,8 +194,9 @@ def count_slot(buffer: torch.Tensor) -> torch.Tensor:
 
 
 def forward_moments(buffer: torch.Tensor) -> torch.Tensor:
-    """The ``[n, sum(x) (C), sum(x**2) (C)]`` middle of a forward buffer (a view)."""
-    return buffer.narrow(0, _COUNT_SLOT, buffer.numel() - _COUNT_SLOT - 1)
+    """A copy of the ``[n, sum(x) (C), sum(x**2) (C)]`` middle of a forward buffer (one
+    op: ``narrow_copy``, where a view and its ``clone`` are two)."""
+    return buffer.narrow_copy(0, _COUNT_SLOT, buffer.numel() - _COUNT_SLOT - 1)
 
 
 def forward_totals(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
