@@ -73,6 +73,7 @@ from syncbn._autograd import (
     synchronize_grads,
 )
 from syncbn._composite import mask_problem
+from syncbn._kernels.generic import constants
 
 __all__ = [
     "FULLGRAPH",
@@ -321,15 +322,9 @@ def _sync_moments_backward(
         buffer = _protocol.pack_backward_sums(grad_moments[1:], options.layer.fingerprint)
     totals = synchronize_grads(buffer, options, device)
     # the count is no function of the input: no gradient (one op, where a copy into a
-    # slice and the zeroing of another were four)
-    torch.cat((_zero(device), totals.view(-1)), out=out)
-
-
-@functools.lru_cache(maxsize=64)
-def _zero(device: torch.device) -> torch.Tensor:
-    """A float64 zero of shape ``(1,)`` on ``device``, built once (``torch.cat`` never
-    writes to it)."""
-    return _protocol.on_device([0.0], torch.float64, device)
+    # slice and the zeroing of another were four; the cached zero is never written)
+    zero, _, _ = constants(1, out.dtype, device)
+    torch.cat((zero, totals.view(-1)), out=out)
 
 
 def _sync_moments_backward_fake(
@@ -422,8 +417,7 @@ class _SyncMoments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, below: torch.DispatchKeySet, *inputs: Any) -> Any:
-        with torch._C._AutoDispatchBelowAutograd():
-            output = torch.ops.syncbn.sync_moments.default.redispatch(below, *inputs)
+        output = _redispatch(below, *inputs)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -454,6 +448,12 @@ def _autograd_kernel(keyset: torch.DispatchKeySet, *inputs: Any) -> Any:
         return _SyncMoments.apply(below, *inputs)
     if below == _PLAIN_KEYSETS[0] or below == _PLAIN_KEYSETS[1]:
         return _sync_moments(*inputs)
+    return _redispatch(below, *inputs)
+
+
+def _redispatch(below: torch.DispatchKeySet, *inputs: Any) -> Any:
+    """``syncbn::sync_moments`` dispatched on from ``below`` autograd (``below``: the
+    call's key set without the autograd keys)."""
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.syncbn.sync_moments.default.redispatch(below, *inputs)
 
