@@ -875,6 +875,42 @@ def test_the_forward_op_skips_no_dispatch_mode_when_nothing_records() -> None:
     torch.testing.assert_close(direct[0], moments, rtol=0, atol=0)  # one process: local
 
 
+def forward_op_calls(device: torch.device) -> list[str]:
+    """How ``syncbn::sync_moments``'s autograd kernel reached the implementation in a call
+    without grad on ``device`` (as a compiled forward graph calls it): ``"direct"`` or
+    ``"redispatch"``, once per call (also for tests/test_cuda.py)."""
+    layer = syncbn.SyncBatchNorm(8, device=device)
+    moments = torch.rand(2 * 8 + 1, dtype=torch.float64, device=device)
+    moments[0] = 36.0  # the count
+    order = _compiled.order_token(moments.device)
+    args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1, _compiled.REVISION)
+    calls: list[str] = []
+    implementation, redispatch = _compiled._sync_moments, _compiled._redispatch
+
+    def direct(*inputs: Any) -> Any:
+        calls.append("direct")
+        return implementation(*inputs)
+
+    def below(keyset: torch.DispatchKeySet, *inputs: Any) -> Any:
+        calls.append("redispatch")
+        return redispatch(keyset, *inputs)
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(_compiled, "_sync_moments", direct)
+        patch.setattr(_compiled, "_redispatch", below)
+        global_moments, _, _ = torch.ops.syncbn.sync_moments.default(*args)
+    torch.testing.assert_close(global_moments, moments, rtol=0, atol=0)  # one process
+    return calls
+
+
+@pytest.mark.skipif(not _compiled.FULLGRAPH, reason="the ops are registered from torch 2.4")
+def test_the_forward_op_calls_its_implementation_directly_when_nothing_records() -> None:
+    """The shortcut of :func:`syncbn._compiled._autograd_kernel` is taken where it may be:
+    a CPU tensor's key set below autograd is the backend's alone (were it not, every
+    compiled call would pay the redispatch through Python again, silently)."""
+    assert forward_op_calls(torch.device("cpu")) == ["direct"]
+
+
 def test_the_functional_form_compiles_where_it_does_not_synchronize() -> None:
     """Without a process group (and without a mask) the functional training call is torch's
     batch norm; asking whether autograd recomputes a checkpoint broke the graph there."""
