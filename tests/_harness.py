@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from syncbn._cli.launch import init_rank, launch
+from syncbn._cli.launch import exit_with_parent, init_rank, launch
 
 __all__ = ["ScenarioError", "WorkerPool", "outcome", "run_isolated"]
 
@@ -41,6 +41,8 @@ class ScenarioError(RuntimeError):
 def _worker_main(
     rank: int, world_size: int, init_file: str, inbox: Any, outbox: Any, pg_timeout: float
 ) -> None:
+    # a pytest killed outright leaves no worker behind, waiting for a task forever
+    exit_with_parent()
     # a daemonic worker cannot start inductor's pool of compile processes (torch 2.3 starts
     # it when inductor is imported, torch.compile with any backend imports it)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import multiprocessing
@@ -141,6 +142,15 @@ def _read_until(fd: int, output: bytearray, done: object, timeout: float, what: 
             output += chunk
 
 
+def _killed_with_this_process() -> None:
+    """``preexec_fn`` of a long run: Linux sends it SIGKILL when the process that started it
+    ends (``PR_SET_PDEATHSIG``), so that a pytest killed outright (a run past its time) leaves
+    no demo training its 1,000,000 steps behind; its ranks then end themselves
+    (``syncbn._cli.launch.exit_with_parent``)."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses a pty and reads /proc")
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) to the parent process only: the parent must stop the ranks itself.
@@ -162,6 +172,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=terminal,
         start_new_session=True,  # its own process group, so that cleanup can kill it whole
+        preexec_fn=_killed_with_this_process,
     )
     os.close(terminal)
     err = bytearray()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,41 @@ def _rank_one_fails(rank: int, world_size: int) -> None:
 def _sleeps(rank: int, world_size: int) -> int:
     time.sleep(60)
     return os.getpid()
+
+
+#: parents of two processes that print their pids and wait: ranks of ``launch`` that
+#: sleep (this module's ``_sleeps``), and the tests' pool of workers between two tasks
+_PARENTS = {
+    "launch": """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_launch import _sleeps
+from syncbn._cli.launch import launch
+launch(_sleeps, 2, on_start=lambda pids: print(*pids, flush=True))
+""",
+    "test pool": """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from _harness import WorkerPool
+from test_launch import _pid
+print(*WorkerPool(2).run(_pid), flush=True)
+time.sleep(60)
+""",
+}
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs: exists, and is not a zombie (ended, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def test_results_come_back_in_rank_order() -> None:
@@ -54,3 +93,47 @@ def test_ranks_past_the_deadline_are_stopped() -> None:
     assert time.monotonic() - started < 40
     with pytest.raises(TimeoutError, match="2 ranks did not finish within 1 s"):
         run_on_ranks(_sleeps, 2, timeout=1.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(
+    "parent, stderr_kind",
+    [("launch", "file"), ("test pool", "file"), ("launch", "closed pipe")],
+)
+def test_ranks_end_when_their_launcher_is_killed(
+    tmp_path: Path, parent: str, stderr_kind: str
+) -> None:
+    """A launcher killed outright cannot stop its ranks: they end themselves, within
+    seconds, instead of sleeping out their 60 s (or a demo's 1,000,000 steps), and the
+    pool's workers instead of waiting for a next task forever. Also where their stderr
+    went with the launcher (``closed pipe``: writing the reason fails, as on a terminal
+    that a killed pytest held)."""
+    log = tmp_path / "ranks.log"
+    with open(log, "w") as file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", _PARENTS[parent], str(Path(__file__).parent)],
+            stdout=subprocess.PIPE,
+            stderr=file if stderr_kind == "file" else subprocess.PIPE,
+            text=True,
+        )
+    pids: list[int] = []
+    try:
+        assert launcher.stdout is not None
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert len(pids) == 2, log.read_text()
+        if launcher.stderr is not None:
+            launcher.stderr.close()
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 30  # the ranks may still be importing torch
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, pids)), "ranks still running 30 s after their launcher"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    if stderr_kind == "file":
+        reason = f"(pid {launcher.pid}) has ended"
+        assert log.read_text().count(reason) == 2, log.read_text()

@@ -12,7 +12,9 @@ start their ranks the same way:
   time they happened, so that the rank that failed first can be told from the ranks
   that failed because a peer disappeared;
 - every wait of the parent is bounded, and every rank process still alive when
-  :func:`launch` returns or raises (also on Ctrl-C) is terminated, then killed.
+  :func:`launch` returns or raises (also on Ctrl-C) is terminated, then killed; a parent
+  killed outright (``kill -9``, the out-of-memory killer) cannot do that, so each rank
+  also ends itself when its parent process ends (:func:`exit_with_parent`).
 
 torch is imported inside the functions, so importing this module is cheap (the
 ``syncbn`` command imports it before it knows whether a command will run).
@@ -28,6 +30,7 @@ import queue
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,6 +40,7 @@ from typing import Any
 __all__ = [
     "Outcome",
     "RankError",
+    "exit_with_parent",
     "init_rank",
     "launch",
     "loopback_interface",
@@ -136,6 +140,37 @@ def init_rank(
     )
 
 
+def exit_with_parent() -> None:
+    """End this process as soon as the process that started it ends.
+
+    For a process started by :mod:`multiprocessing` (a rank of :func:`launch`, a worker of
+    the tests' pool): its parent stops it when the parent returns, raises or is
+    interrupted, but a parent killed outright (``kill -9``, the out-of-memory killer, a job
+    manager that signals only the top process) cannot, and the process would run on,
+    orphaned, to the end of its work (the 1,000,000 steps of a demo, a worker waiting
+    for its next task). A daemon thread waits on the parent's sentinel, which reads as
+    closed once the parent has ended, then ends this process with exit status 1 at once
+    (``os._exit``: nothing waits on peers that may be gone). Does nothing in a process
+    that :mod:`multiprocessing` did not start.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait_for_parent() -> None:
+        try:
+            parent.join()
+            sys.stderr.write(
+                f"syncbn: process {os.getpid()} exits: the process that started it "
+                f"(pid {parent.pid}) has ended\n"
+            )
+            sys.stderr.flush()
+        finally:  # also where stderr went with the parent (a terminal it held: EIO)
+            os._exit(1)
+
+    threading.Thread(target=wait_for_parent, name="syncbn-exit-with-parent", daemon=True).start()
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -148,6 +183,7 @@ def _rank_main(
     args: tuple[Any, ...],
 ) -> None:
     """Entry point of a spawned rank: join the group, run ``fn``, report, leave."""
+    exit_with_parent()
     report: tuple[str, float, bytes | str]
     try:
         init_rank(rank, world_size, init_file, backend=backend, timeout=pg_timeout)
