@@ -9,6 +9,9 @@ rendezvous in a temporary directory, one thread per rank: the rank initialisatio
 a scenario that does not finish in time, or that raises on any rank, makes
 :meth:`WorkerPool.run` raise with every rank's traceback, and the pool is rebuilt
 so that the next scenario starts from fresh processes and a fresh process group.
+
+Tests of processes of their own (launched commands, killed launchers) use :func:`alive`
+and :func:`wait_until`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from syncbn._cli.launch import exit_with_parent, init_rank, launch
 
-__all__ = ["ScenarioError", "WorkerPool", "outcome", "run_isolated"]
+__all__ = ["ScenarioError", "WorkerPool", "alive", "outcome", "run_isolated", "wait_until"]
 
 #: Process-group timeout of the pool's ranks in seconds: a collective that waits longer fails.
 PROCESS_GROUP_TIMEOUT = 30.0
@@ -215,3 +219,21 @@ def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, str]:
     except Exception as error:  # noqa: BLE001 - the scenario reports whatever was raised
         return type(error).__name__, str(error)
     return "ok", ""
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (Linux: reads ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting until {what}")
+        time.sleep(0.1)

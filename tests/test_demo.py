@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _harness import alive, wait_until
 
 from syncbn import _cli as cli
 from syncbn._cli.demo import (
@@ -41,15 +42,6 @@ from PIL import Image  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _rank_processes(parent: int) -> list[int]:
     """The spawned (multiprocessing) children of ``parent``, without its resource tracker."""
     pids = []
@@ -66,14 +58,6 @@ def _rank_processes(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in cmdline:
             pids.append(int(entry))
     return pids
-
-
-def _wait_until(condition: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting until {what}")
-        time.sleep(0.1)
 
 
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,7 +104,7 @@ def test_failure_in_one_rank_stops_every_rank(tmp_path: Path) -> None:
         run_demo(config, str(tmp_path), on_start=started.extend)
     assert info.value.exit_code == 1
     assert len(started) == 2
-    assert not [pid for pid in started if _alive(pid)]
+    assert not [pid for pid in started if alive(pid)]
     assert not [p for p in multiprocessing.active_children() if p.pid in started]
     assert not (tmp_path / RESULTS_FILE).exists()
 
@@ -202,4 +186,4 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     assert process.returncode == 130, text
     assert "syncbn demo: error: interrupted" in text
     assert "Traceback" not in text and "leaked" not in text, text
-    _wait_until(lambda: not [pid for pid in ranks if _alive(pid)], 10, "every rank is gone")
+    wait_until(lambda: not [pid for pid in ranks if alive(pid)], 10, "every rank is gone")

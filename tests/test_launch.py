@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import alive, wait_until
 
 from syncbn._cli.launch import RankError, launch, run_on_ranks
 
@@ -56,16 +57,6 @@ time.sleep(60)
 
 def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs: exists, and is not a zombie (ended, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def test_results_come_back_in_rank_order() -> None:
@@ -125,14 +116,12 @@ def test_ranks_end_when_their_launcher_is_killed(
             launcher.stderr.close()
         launcher.kill()
         launcher.wait(timeout=10)
-        deadline = time.monotonic() + 30  # the ranks may still be importing torch
-        while any(map(_running, pids)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(map(_running, pids)), "ranks still running 30 s after their launcher"
+        # (30 s: the ranks may still be importing torch)
+        wait_until(lambda: not any(map(alive, pids)), 30, "the ranks have ended")
     finally:
         launcher.kill()
         for pid in pids:
-            if _running(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     if stderr_kind == "file":
         reason = f"(pid {launcher.pid}) has ended"
