@@ -906,3 +906,40 @@ def test_a_model_built_on_the_meta_device_converts_and_materializes() -> None:
     x = torch.randn(5, 3, 6, 6)
     torch.testing.assert_close(converted(x), reference(x))
     torch.testing.assert_close(converted.state_dict(), reference.state_dict())
+
+
+def test_a_process_group_that_is_not_one_is_refused_where_it_is_given() -> None:
+    """torch's conversion stores anything as the process group; a number (the size meant
+    for syncbn.create_process_group) then failed at the first call on every rank with "does
+    not contain this rank", which sent the user after group membership."""
+    with pytest.raises(TypeError, match=r"process_group must be a .*ProcessGroup or None, got int"):
+        syncbn.convert_sync_batchnorm(nn.BatchNorm2d(3), process_group=8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"process_group must be .* got str \('oops'\)"):
+        syncbn.SyncBatchNorm(3, process_group="oops")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"check_layer_order must be a bool or None, got str"):
+        syncbn.convert_sync_batchnorm(nn.BatchNorm1d(3), check_layer_order="yes")  # type: ignore[arg-type]
+    # what torch.distributed.new_group gives the ranks outside the group: taken (the layer
+    # raises when it would synchronize, tests/test_faults.py)
+    outside = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    taken = syncbn.SyncBatchNorm(3, process_group=outside)  # type: ignore[arg-type]
+    assert taken.process_group == outside
+    layer = syncbn.SyncBatchNorm(3)
+    layer.process_group = [0, 1]  # type: ignore[assignment]  # set past the constructor
+    with pytest.raises(TypeError, match=r"got list \(\[0, 1\]\)"):
+        layer(torch.randn(4, 3))
+
+
+def test_a_deleted_running_statistic_stays_absent_both_ways() -> None:
+    """A BatchNorm without ``num_batches_tracked`` (deleted, as a layer of a checkpoint of
+    torch < 0.4.1 is rebuilt): its twin kept the constructor's meta-device buffer, and
+    state_dict gained a meta tensor that no checkpoint loader takes."""
+    layer = nn.BatchNorm2d(3)
+    del layer.num_batches_tracked
+    model = nn.Sequential(layer)
+    keys = list(model.state_dict())
+    syncbn.convert_sync_batchnorm(model)
+    assert list(model.state_dict()) == keys
+    assert "num_batches_tracked" not in model[0]._buffers
+    syncbn.revert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm2d and list(model.state_dict()) == keys
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())

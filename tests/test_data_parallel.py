@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import re
@@ -648,6 +649,34 @@ def test_convert_model_keeps_data_parallel_settings() -> None:
     assert isinstance(converted, DataParallelWithCallback)
     assert converted.device_ids == wrapped.device_ids
     assert getattr(converted, "output_device", None) == getattr(wrapped, "output_device", None)
+    assert converted.training
+    inner = nn.BatchNorm1d(3)
+    evaluated = convert_model(nn.DataParallel(nn.Sequential(inner)).eval())
+    assert not evaluated.training  # was: a training wrapper around modules in eval mode
+    assert not cast(nn.Sequential, cast(nn.DataParallel, evaluated).module)[0].training
+
+
+class _DictDataParallel(nn.DataParallel):
+    """A subclass with a forward of its own, as training code writes them."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return {"out": super().forward(*inputs, **kwargs)}
+
+
+@pytest.mark.usefixtures("without_cuda")
+def test_convert_model_keeps_a_data_parallel_subclass_and_patches_it() -> None:
+    """vacancy's convert_model replaces any DataParallel with a DataParallelWithCallback,
+    which dropped a subclass's own forward (here, its dict output) without a word."""
+    layer = nn.BatchNorm1d(3)
+    wrapped = _DictDataParallel(nn.Sequential(layer)).eval()
+    converted = convert_model(wrapped)
+    assert converted is wrapped and not converted.training
+    twin = cast(nn.Sequential, wrapped.module)[0]
+    assert type(twin) is SynchronizedBatchNorm1d and twin.weight is layer.weight
+    assert isinstance(wrapped.__dict__["replicate"], functools.partial)  # patched
+    assert set(converted(torch.randn(4, 3))) == {"out"}
+    nested = nn.Sequential(_DictDataParallel(nn.BatchNorm1d(3)))
+    assert convert_model(nested) is nested and type(nested[0]) is _DictDataParallel
 
 
 def test_convert_model_converts_syncbn_layers_that_ran_only_in_replicas() -> None:
@@ -679,6 +708,29 @@ def test_convert_model_converts_syncbn_layers_that_ran_only_in_replicas() -> Non
     seen = syncbn.SyncBatchNorm(3)
     seen(torch.randn(2, 3, 4, 4))  # the rank it saw decides
     assert type(convert_model(seen)) is SynchronizedBatchNorm2d
+
+
+def test_convert_model_gives_a_converted_layer_the_twin_of_the_class_it_replaced() -> None:
+    """As revert_sync_batchnorm does: a layer that convert_sync_batchnorm made of a
+    BatchNorm2d becomes a SynchronizedBatchNorm2d, not the Nd twin of a layer that saw no
+    input (which lost the rank check and ``isinstance`` tests); one made of a
+    SynchronizedBatchNorm2d keeps its ``sync_timeout``; torch.nn.SyncBatchNorm, which
+    synchronizes processes and not replicas (and was left as it was, unsynchronized in
+    the replicas), becomes the Nd twin."""
+    plain = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.BatchNorm3d(3))
+    converted = cast(nn.Sequential, convert_model(syncbn.convert_sync_batchnorm(plain)))
+    assert [type(layer) for layer in converted] == [
+        SynchronizedBatchNorm1d,
+        SynchronizedBatchNorm2d,
+        SynchronizedBatchNorm3d,
+    ]
+    patient = SynchronizedBatchNorm2d(3)
+    patient.sync_timeout = 600.0
+    twin = convert_model(syncbn.convert_sync_batchnorm(patient))
+    assert type(twin) is SynchronizedBatchNorm2d and twin.sync_timeout == 600.0
+    torchs = nn.SyncBatchNorm(3, momentum=0.2)
+    assert type(convert_model(torchs)) is SynchronizedBatchNormNd
+    assert convert_model(torchs).momentum == 0.2
 
 
 class _NestedDataParallel(nn.Module):
@@ -723,6 +775,10 @@ def test_convert_sync_batchnorm_converts_the_data_parallel_layers_both_ways() ->
     syncbn.revert_sync_batchnorm(model)
     assert [type(layer) for layer in model] == [SynchronizedBatchNorm2d, SynchronizedBatchNormNd]
     assert model[0].weight is weight
+    cast(SynchronizedBatchNorm2d, model[0]).sync_timeout = 600.0  # kept there and back
+    syncbn.revert_sync_batchnorm(syncbn.convert_sync_batchnorm(model))
+    assert model[0].sync_timeout == 600.0
+    assert model[1].sync_timeout == syncbn.data_parallel.DEFAULT_SYNC_TIMEOUT
 
 
 def _replicas_without_callbacks(

@@ -1,6 +1,7 @@
 """The model walk behind ``convert_sync_batchnorm``, and the registry of BatchNorm converters.
 
-This module imports nothing from syncbn: the synchronized class is passed in, so that both
+This module imports nothing from syncbn but :mod:`syncbn.distributed` (which imports
+nothing from syncbn): the synchronized class is passed in, so that both
 :func:`syncbn.convert_sync_batchnorm` and ``SyncBatchNorm.convert_sync_batchnorm`` (in
 :mod:`syncbn.batchnorm`) use one walk without importing each other.
 """
@@ -19,6 +20,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
+
+from syncbn.distributed import check_process_group
 
 __all__ = [
     "BUILT_IN_CONVERTERS",
@@ -67,6 +70,10 @@ _CONVERTERS: dict[type[_BatchNorm], Converter] = {}
 _LOADED_PACKAGES: set[str] = set()
 
 
+#: the buffers every ``_BatchNorm`` constructor registers (``None`` where not tracked)
+_BATCHNORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
     """Make ``target`` use ``source``'s very Parameters and buffers, and its training mode.
 
@@ -81,6 +88,12 @@ def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
     for name, buffer in source._buffers.items():
         persistent = name not in source._non_persistent_buffers_set
         target.register_buffer(name, buffer, persistent=persistent)
+    # a running statistic that ``source`` no longer has at all (deleted: a checkpoint of
+    # torch < 0.4.1 had no num_batches_tracked) is absent from ``target`` too, not the
+    # meta-device tensor of its constructor
+    for name in _BATCHNORM_BUFFERS:
+        if name not in source._buffers and name in target._buffers:
+            delattr(target, name)
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
@@ -365,7 +378,17 @@ def convert_modules(
     """Replace the BatchNorm layers of ``module`` with ``sync_class`` layers (see convert.py).
 
     Warns, once per call, about the layers it had to leave unconverted.
+
+    Raises:
+        TypeError: ``process_group`` is not a process group, or ``check_layer_order`` is
+            neither a bool nor ``None``.
     """
+    check_process_group(process_group)
+    if check_layer_order is not None and not isinstance(check_layer_order, bool):
+        raise TypeError(
+            "check_layer_order must be a bool or None, got "
+            f"{type(check_layer_order).__name__} ({check_layer_order!r})"
+        )
     walk = _Walk(sync_class, process_group, check_layer_order, [], [], [])
     result = replace_modules(module, lambda current, path: _convert(current, path, walk))
     if walk.unconverted:
@@ -380,10 +403,11 @@ def convert_modules(
     if walk.computed:
         warnings.warn(
             f"convert_sync_batchnorm left {len(walk.computed)} BatchNorm layer(s) "
-            f"unconverted: {_listed(walk.computed)}. Their weight or bias is computed by "
-            "hooks (the hook-based torch.nn.utils.weight_norm), which a converted layer "
-            "would lose, so they keep local (per-rank) statistics. Convert first, or use "
-            "torch.nn.utils.parametrize (carried over).",
+            f"unconverted: {_listed(walk.computed)}. Their weight or bias is not a "
+            "Parameter of the layer (computed by hooks, as the hook-based "
+            "torch.nn.utils.weight_norm does, or set as a plain tensor), which a converted "
+            "layer would lose, so they keep local (per-rank) statistics. Convert first, or "
+            "use torch.nn.utils.parametrize (carried over).",
             stacklevel=3,
         )
     if walk.lazy:

@@ -212,6 +212,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         )
         if affine and not bias:  # as torch >= 2.13's layers take it (on any torch here)
             self.register_parameter("bias", None)
+        distributed.check_process_group(process_group)
         self.process_group = process_group
         self._init_identity()  # layer_name, layer_identity, check settings, call count
         self.last_input_dim: int | None = None

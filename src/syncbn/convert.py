@@ -211,8 +211,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     if computed:
         warnings.warn(
             f"revert_sync_batchnorm left {len(computed)} layer(s) synchronized: "
-            f"{', '.join(computed)}. Their weight or bias is computed by hooks (the "
-            "hook-based torch.nn.utils.weight_norm), which a reverted layer would lose. "
+            f"{', '.join(computed)}. Their weight or bias is not a Parameter of the layer "
+            "(computed by hooks, as the hook-based torch.nn.utils.weight_norm does, or set "
+            "as a plain tensor), which a reverted layer would lose. "
             "Remove the hooks first (torch.nn.utils.remove_weight_norm), or use "
             "torch.nn.utils.parametrize (carried over).",
             stacklevel=2,

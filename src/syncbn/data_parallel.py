@@ -590,7 +590,7 @@ _CONVERSIONS: tuple[tuple[type[_BatchNorm], type[_SynchronizedBatchNorm]], ...] 
     (BatchNormNd, SynchronizedBatchNormNd),
 )
 #: the forwards of the layers convert_model converts (a subclass with its own is left)
-_CONVERTIBLE_FORWARDS = (_BatchNorm.forward, SyncBatchNorm.forward)
+_CONVERTIBLE_FORWARDS = (_BatchNorm.forward, SyncBatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
 def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | None:
@@ -599,10 +599,17 @@ def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | No
         if isinstance(module, plain_class):
             return sync_class
     if isinstance(module, SyncBatchNorm):
-        # the twin of the class revert_sync_batchnorm gives it, by the rank of the last input
-        # it saw (BatchNormNd for none: one that ran only in replicas)
+        # the twin of the class revert_sync_batchnorm gives it: the class it replaced, or by
+        # the rank of the last input it saw (BatchNormNd for none: one that ran only in
+        # replicas)
+        original = module._original_class
+        for plain_class, sync_class in _CONVERSIONS:
+            if original is not None and issubclass(original, (plain_class, sync_class)):
+                return sync_class
         plain_class = _batchnorm_class(module.last_input_dim)
         return next(sync for plain, sync in _CONVERSIONS if plain is plain_class)
+    if isinstance(module, nn.SyncBatchNorm):  # any input rank, as torch's layer takes
+        return SynchronizedBatchNormNd
     return None
 
 
@@ -633,11 +640,15 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
         return module
     if computed_parameters(module):
         skipped.append(
-            f"{described}: its weight or bias is computed by hooks (the hook-based "
-            "torch.nn.utils.weight_norm), which a converted layer would lose"
+            f"{described}: its weight or bias is not a Parameter of the layer (computed "
+            "by hooks, as the hook-based torch.nn.utils.weight_norm does, or set as a plain "
+            "tensor), which a converted layer would lose"
         )
         return module
-    return batchnorm_twin(module, sync_class)
+    twin = batchnorm_twin(module, sync_class)
+    if isinstance(module, SyncBatchNorm):
+        twin.sync_timeout = _kept_sync_timeout(module)
+    return twin
 
 
 def convert_model(module: nn.Module) -> nn.Module:
@@ -646,26 +657,32 @@ def convert_model(module: nn.Module) -> nn.Module:
     Each layer becomes :class:`SynchronizedBatchNorm1d` (``2d``, ``3d``) *sharing* its
     Parameters and buffers (so optimizers and ``state_dict`` keys are unaffected) and
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
-    ``track_running_stats``. A :class:`syncbn.SyncBatchNorm` becomes the twin of the rank
-    of the last input it saw, or :class:`SynchronizedBatchNormNd` where it saw none (one
-    that ran only in DataParallel's replicas), as a :class:`syncbn.BatchNormNd` does. A
+    ``track_running_stats``. A :class:`syncbn.SyncBatchNorm` becomes the twin of the class
+    it was converted from (its ``sync_timeout`` too, for a SynchronizedBatchNorm), else of
+    the rank of the last input it saw, or :class:`SynchronizedBatchNormNd` where it saw
+    none (one that ran only in DataParallel's replicas), as a :class:`syncbn.BatchNormNd`
+    does. A
     subclass that overrides ``forward``, a layer whose weight or bias is computed by hooks
     (the hook-based ``weight_norm``), or a lazy layer not yet materialised is left
     unconverted with a warning naming it; parametrizations (``torch.nn.utils.parametrize``)
     are carried over, shared. A layer held in several places becomes one synchronized
     layer in all of them. Every ``torch.nn.DataParallel`` in ``module`` (``module`` itself
     too) becomes a :class:`DataParallelWithCallback` of its converted inner module with the
-    same ``device_ids``, ``output_device`` and ``dim``, as in vacancy's library: a plain
-    DataParallel would never let its replicas meet.
+    same ``device_ids``, ``output_device``, ``dim`` and training mode, as in vacancy's
+    library: a plain DataParallel would never let its replicas meet. A subclass of
+    ``torch.nn.DataParallel`` is kept instead (vacancy's replaced it, dropping what it
+    adds), patched with :func:`patch_replication_callback`. A ``torch.nn.SyncBatchNorm``
+    (which synchronizes across processes, not replicas) becomes
+    :class:`SynchronizedBatchNormNd`.
 
     Args:
         module: the model, a single BatchNorm layer, or a DataParallel wrapper.
 
     Returns:
         The converted module: ``module`` itself modified in place, unless it is a
-        BatchNorm layer (its twin is returned) or a DataParallel (a new
-        :class:`DataParallelWithCallback` is returned). Nothing is changed where a layer
-        raises while it is converted.
+        BatchNorm layer (its twin is returned) or a ``torch.nn.DataParallel`` (a new
+        :class:`DataParallelWithCallback` is returned; a subclass is patched and returned).
+        Nothing is changed where a layer raises while it is converted.
 
     Examples::
 
@@ -688,14 +705,23 @@ def convert_model(module: nn.Module) -> nn.Module:
     return converted
 
 
-def _with_callback(data_parallel: nn.DataParallel, module: nn.Module) -> DataParallelWithCallback:
-    """A :class:`DataParallelWithCallback` of ``module`` with ``data_parallel``'s settings."""
-    return DataParallelWithCallback(
+def _with_callback(data_parallel: nn.DataParallel, module: nn.Module) -> nn.DataParallel:
+    """A :class:`DataParallelWithCallback` of ``module`` with ``data_parallel``'s settings
+    and training mode; or a subclass of ``torch.nn.DataParallel`` itself, holding
+    ``module`` and patched (:func:`patch_replication_callback`), so that what the subclass
+    adds (its own ``forward``, say) is kept."""
+    if type(data_parallel) is not nn.DataParallel:
+        data_parallel.module = module
+        patch_replication_callback(data_parallel)
+        return data_parallel
+    wrapper = DataParallelWithCallback(
         module,
         device_ids=data_parallel.device_ids or None,
         output_device=getattr(data_parallel, "output_device", None),
         dim=getattr(data_parallel, "dim", 0),
     )
+    wrapper.training = data_parallel.training  # (train() would set the module's too)
+    return wrapper
 
 
 def register_converters() -> None:
@@ -709,4 +735,29 @@ def register_converters() -> None:
 
         >>> syncbn.data_parallel.register_converters()  # not needed: done on demand
     """
-    register_converter(_SynchronizedBatchNorm)
+    register_converter(_SynchronizedBatchNorm, _to_sync, _to_plain)
+
+
+#: where a SyncBatchNorm converted from one of this module's layers keeps that layer's
+#: ``sync_timeout``, for the way back (revert_sync_batchnorm, convert_model)
+_SYNC_TIMEOUT_KEPT = "_data_parallel_sync_timeout"
+
+
+def _to_sync(layer: _SynchronizedBatchNorm) -> SyncBatchNorm:
+    twin = batchnorm_twin(layer, SyncBatchNorm)
+    twin.__dict__[_SYNC_TIMEOUT_KEPT] = layer.sync_timeout  # not a torch.nn.Module attribute
+    return twin
+
+
+def _to_plain(layer: SyncBatchNorm) -> _SynchronizedBatchNorm:
+    original = layer._original_class
+    if original is None or not issubclass(original, _SynchronizedBatchNorm):
+        raise TypeError(f"expected a layer converted from a SynchronizedBatchNorm, got {layer}")
+    twin = batchnorm_twin(layer, original)
+    twin.sync_timeout = _kept_sync_timeout(layer)
+    return twin
+
+
+def _kept_sync_timeout(layer: SyncBatchNorm) -> float:
+    """The ``sync_timeout`` of the layer that ``layer`` was converted from, or the default."""
+    return float(layer.__dict__.get(_SYNC_TIMEOUT_KEPT, DEFAULT_SYNC_TIMEOUT))

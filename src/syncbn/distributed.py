@@ -21,6 +21,7 @@ __all__ = [
     "check_alive",
     "check_collective",
     "check_device_backend",
+    "check_process_group",
     "create_process_group",
     "destroyed_test",
     "get_rank",
@@ -43,15 +44,40 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
         RuntimeError: if ``group`` is given but does not contain this rank.
     """
     if not is_distributed():
+        check_process_group(group)
         return 1
     # (two tests, not isinstance(group, (ProcessGroup, NoneType)): dynamo cannot evaluate that)
     if group is not None and not isinstance(group, dist.ProcessGroup):
+        check_process_group(group)  # not a group at all: a TypeError
         # dist.new_group() returns GroupMember.NON_GROUP_MEMBER to ranks outside the group.
         raise RuntimeError(
             f"process_group does not contain this rank (global rank {dist.get_rank()}); "
             "every rank that calls SyncBatchNorm must belong to its process group"
         )
     return dist.get_world_size(group)
+
+
+def check_process_group(group: object) -> None:
+    """Refuse a ``process_group`` argument that is not a process group.
+
+    Accepted: ``None`` (the default group), a ``torch.distributed.ProcessGroup``, and
+    ``GroupMember.NON_GROUP_MEMBER``, what ``torch.distributed.new_group`` returns to the
+    ranks outside the new group (a layer holding it raises when it would synchronize).
+
+    Raises:
+        TypeError: for anything else (a rank number, a list of ranks, a group's name).
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    # the sentinel is an int (-100) on the torch versions here
+    non_member = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else None
+    if type(group) is type(non_member) and group == non_member:
+        return
+    raise TypeError(
+        "process_group must be a torch.distributed.ProcessGroup or None, got "
+        f"{type(group).__name__} ({group!r}); build one with "
+        "torch.distributed.new_group(ranks) or syncbn.create_process_group(group_size)"
+    )
 
 
 def group_from_name(group_name: str) -> dist.ProcessGroup | None:
