@@ -465,12 +465,18 @@ def test_fused_kernels_masked_calls_match_the_gathered_reference(
 
 
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
-def test_a_masking_block_on_cuda_matches_the_gathered_reference(pool2: WorkerPool) -> None:
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_a_masking_block_on_cuda_matches_the_gathered_reference(
+    pool2: WorkerPool, checkpoint: bool
+) -> None:
     """syncbn.masking's mask reaches a layer in an nn.Sequential on CUDA (deferred checks),
     as the gold reference has it. Eager only: compiled blocks are device-independent code
-    (tests/test_masking.py), and compiled masked calls on CUDA are MASKED["inductor"]'s."""
+    (tests/test_masking.py), and compiled masked calls on CUDA are MASKED["inductor"]'s.
+    Checkpointed: autograd recomputes the forward in its CUDA device thread, which has no
+    block (a review found it raising there; emulated on the CPU by
+    test_masking.py's test_checkpointing_recomputes_with_the_blocks_mask[other-thread])."""
     case = MaskedCase(sizes=(4, 3), valid=(0.6, 0.8), device="cuda")
-    _assert_matches(case, pool2.run(_run_in_block, case, timeout=240.0))
+    _assert_matches(case, pool2.run(_run_in_block, case, "", checkpoint, timeout=240.0))
 
 
 @pytest.mark.timeout(180)

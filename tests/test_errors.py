@@ -184,6 +184,42 @@ def test_zero_dim_parameters_of_one_channel_are_taken_as_torch_takes_them() -> N
         syncbn.sync_batch_norm(x, None, None, weight.view(1, 1), bias, training=True, mask=mask)
 
 
+def _zero_dim_parameters_beside_an_empty_rank(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank 0's batch is empty; rank 1 holds the whole global batch of one channel."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1, 5, dtype=torch.float64, generator=generator)
+    x = (x[:0] if rank == 0 else x).requires_grad_()
+    weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    output = syncbn.sync_batch_norm(x, None, None, weight, bias, training=True)
+    (output * torch.arange(output.numel()).view_as(output)).sum().backward()
+    follow_up = syncbn.sync_batch_norm(torch.randn(3, 2, 4), None, None, training=True)
+    return [output.detach(), x.grad, weight.grad, bias.grad, follow_up]  # type: ignore[list-item]
+
+
+def test_zero_dim_parameters_beside_an_empty_rank_equal_the_global_batch(
+    pool2: WorkerPool,
+) -> None:
+    """The empty rank normalized its batch after the collective with torch's kernel, which
+    refuses a 0-dim weight there: it raised, and the ranks' collectives went out of step
+    (gloo aborted the processes at the next call)."""
+    empty, full = pool2.run(_zero_dim_parameters_beside_an_empty_rank, timeout=60.0)
+    x = torch.randn(4, 1, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    weight = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor([0.5], dtype=torch.float64, requires_grad=True)
+    output = torch.nn.functional.batch_norm(x, None, None, weight, bias, training=True)
+    (output * torch.arange(output.numel()).view_as(output)).sum().backward()
+    torch.testing.assert_close(full[0], output.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(full[1], x.grad, rtol=1e-12, atol=1e-12)
+    assert empty[0].shape == empty[1].shape == (0, 1, 5)
+    for rank in (empty, full):  # each rank's local parameter gradients; they sum to torch's
+        assert rank[2].shape == rank[3].shape == ()
+    assert weight.grad is not None and bias.grad is not None
+    torch.testing.assert_close(empty[2] + full[2], weight.grad.view(()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(empty[3] + full[3], bias.grad.view(()), rtol=1e-12, atol=1e-12)
+
+
 def _float16_without_cpu_kernels(rank: int, world_size: int) -> tuple[str, str]:
     """As on torch < 2.2, whose CPU batch_norm has no float16 kernel; a rank's batch is empty."""
     bn = syncbn.SyncBatchNorm(3)

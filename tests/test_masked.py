@@ -327,6 +327,13 @@ def test_the_functional_form_refuses_a_running_variance_without_a_mean() -> None
     for running_mean, running_var in ((None, torch.ones(3)), (torch.zeros(3), None)):
         with pytest.raises(ValueError, match="must either both be None or neither be None"):
             sync_batch_norm(x, running_mean, running_var, training=True, mask=mask)
+        # eval: torch's error of that mode (was the training one's ValueError)
+        missing = "running_mean" if running_mean is None else "running_var"
+        for given in (mask, None):
+            with pytest.raises(RuntimeError, match=f"^{missing} must be defined in evaluation"):
+                sync_batch_norm(x, running_mean, running_var, training=False, mask=given)
+            with pytest.raises(RuntimeError, match=f"^{missing} must be defined in evaluation"):
+                nn.functional.batch_norm(x, running_mean, running_var, training=False)
 
 
 def test_eval_without_running_statistics_uses_the_valid_positions() -> None:
@@ -456,25 +463,41 @@ def test_a_global_valid_count_of_one_raises_on_every_rank(pool2: WorkerPool) -> 
         assert kind == "ValueError" and "Expected more than 1 value per channel" in message
 
 
-def _invalid_mask_on_one_rank(rank: int, world_size: int, compiled: bool) -> tuple[str, str]:
+#: rank 0's invalid mask (shape, device), and the error and message it raises there
+_INVALID_MASKS: dict[str, tuple[tuple[int, int], str, str, str]] = {
+    "shape": ((2, 4), "cpu", "ValueError", "expected mask of shape (2, 5)"),
+    # on the meta device: a compiled call's op then dispatched to its meta kernel, which
+    # returned an uninitialized output where it should raise (found by a review)
+    "device": ((2, 5), "meta", "RuntimeError", "same device"),
+}
+
+
+def _invalid_mask_on_one_rank(
+    rank: int, world_size: int, compiled: bool, problem: str
+) -> tuple[str, str]:
     torch._dynamo.reset()
     layer: Any = syncbn.SyncBatchNorm(3)
     if compiled:
         layer = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    mask = torch.ones(2, 5, dtype=torch.bool) if rank else torch.ones(2, 4, dtype=torch.bool)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    if rank == 0:
+        size, device, _, _ = _INVALID_MASKS[problem]
+        mask = torch.ones(size, dtype=torch.bool, device=device)
     return outcome(layer, torch.randn(2, 3, 5), mask)
 
 
+@pytest.mark.parametrize("problem", list(_INVALID_MASKS))
 @pytest.mark.parametrize(
     "compiled",
     [False, pytest.param(True, marks=pytest.mark.skipif(not _COMPILE, reason="torch < 2.4"))],
     ids=["eager", "compiled"],
 )
 def test_an_invalid_mask_on_one_rank_raises_on_every_rank(
-    pool2: WorkerPool, compiled: bool
+    pool2: WorkerPool, compiled: bool, problem: str
 ) -> None:
-    results = pool2.run(_invalid_mask_on_one_rank, compiled, timeout=120.0)
-    assert results[0][0] == "ValueError" and "expected mask of shape (2, 5)" in results[0][1]
+    results = pool2.run(_invalid_mask_on_one_rank, compiled, problem, timeout=120.0)
+    _, _, error, message = _INVALID_MASKS[problem]
+    assert results[0][0] == error and message in results[0][1], results[0]
     assert results[1][0] == "RuntimeError" and "1 other rank(s) failed" in results[1][1]
 
 

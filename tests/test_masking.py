@@ -218,24 +218,67 @@ def test_a_layer_in_another_thread_refuses_to_run_unmasked() -> None:
     assert torch.equal(results["after"], results["unmasked"])
 
 
+@pytest.mark.parametrize("thread", ["same", "other"], ids=["same-thread", "other-thread"])
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_checkpointing_recomputes_with_the_blocks_mask(use_reentrant: bool) -> None:
+def test_checkpointing_recomputes_with_the_blocks_mask(use_reentrant: bool, thread: str) -> None:
+    """``backward()`` inside the block. In another thread than the forward's: on CUDA,
+    autograd runs the backward, and checkpointing's recomputation in it, in a thread of its
+    own per device, which has no block; the recomputed layer raised "a syncbn.masking block
+    is open in another thread" there (the CPU runs a backward in the calling thread, so the
+    test calls it in another one, with the block still open in the forward's)."""
     case = MaskedCase(sizes=(5,), valid=(0.6,))
     x, mask, grad = case.data(0, 0)
     results = []
     for checkpointed in (True, False):
         model = _sequential(case)
         xi = x.clone().requires_grad_()
+        errors: list[BaseException] = []
         with syncbn.masking(mask):
             if checkpointed:
                 y = torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=use_reentrant)
             else:
                 y = model(xi)
-            y.backward(grad)
+            if thread == "same":
+                y.backward(grad)
+            else:
+                _backward_in_another_thread(y, grad, errors)
+        if errors:
+            raise errors[0]
         bn = model[0]
         results.append([y, xi.grad, bn.weight.grad, bn.bias.grad, *bn.state_dict().values()])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_recomputation_in_another_thread_after_the_block_closed_is_a_clear_error() -> None:
+    case = MaskedCase(sizes=(5,), valid=(0.6,))
+    x, mask, grad = case.data(0, 0)
+    model = _sequential(case)
+    with syncbn.masking(mask):
+        y = torch.utils.checkpoint.checkpoint(
+            model, x.clone().requires_grad_(), use_reentrant=False
+        )
+    errors: list[BaseException] = []
+    _backward_in_another_thread(y, grad, errors)
+    assert len(errors) == 1 and "no syncbn.masking block is open" in str(errors[0])
+
+
+def _backward_in_another_thread(
+    y: torch.Tensor, grad: torch.Tensor, errors: list[BaseException]
+) -> None:
+    """``y.backward(grad)`` in a thread of its own, as autograd runs a CUDA backward; what
+    it raises is appended to ``errors``."""
+
+    def backward() -> None:
+        try:
+            y.backward(grad)
+        except BaseException as error:  # re-raised (or checked) in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the backward did not end within 60 s"
 
 
 def test_a_checkpointed_function_may_build_its_mask_and_open_the_block_itself() -> None:

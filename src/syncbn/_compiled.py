@@ -54,6 +54,7 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 import torch.fx
 import torch.utils.checkpoint
+from torch._subclasses import fake_tensor
 from torch.fx.experimental import proxy_tensor
 
 from syncbn import _composite, _protocol, distributed
@@ -495,6 +496,18 @@ def _fail_forward_fake(
     num_features: int,
     eps: float,
 ) -> torch.Tensor:
+    """The op while tracing (fake tensors), or on the meta device.
+
+    Real tensors reach this kernel too, where one of them is on the meta device (a mask
+    there, for a layer on the CPU): the dispatcher then picks the Meta kernel, which this
+    is. Those must raise as the implementation does, on every rank, not return an
+    uninitialized output. Where the layer's own tensors are on the meta device, this is
+    shape propagation, as before.
+    """
+    if anchor.device.type != "meta" and not fake_tensor.is_fake(input):
+        return _fail_forward(
+            input, anchor, parameters, mask, order, site, group_name, num_features, eps
+        )
     return torch.empty_like(input)
 
 

@@ -67,7 +67,10 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
     .. note::
         With activation checkpointing (eager mode), a forward recomputed in backward
         takes the mask of the block open then: call ``backward`` inside the block (or
-        open it inside the checkpointed function). A recomputation that finds no block
+        open it inside the checkpointed function). Where autograd recomputes it in a
+        thread of its own (on CUDA, each device's backward runs in one), that thread has
+        no block, and the forward's mask is taken while the block is still open in the
+        forward's thread. A recomputation that finds no block
         where the layer's latest forward had one, a block where it had none, or a mask
         of another shape or device, raises a ``RuntimeError``; a mask of the same shape
         is taken as the forward's (its values are not read back from the device).
@@ -185,10 +188,14 @@ def layer_mask(layer: torch.nn.Module, input: torch.Tensor, compiling: bool) -> 
     remembered = layer.__dict__.get(_REMEMBERED)
     if not _open_blocks and remembered is None:
         return None
-    if remembered is not None and remembered.share is not None and is_recomputing():
-        # a DataParallel replica's forward, recomputed in an autograd thread, which has no
-        # block of its own: the share that the replica's block gave the forward
-        return remembered.share
+    if remembered is not None and is_recomputing():
+        if remembered.share is not None:
+            # a DataParallel replica's forward, recomputed in an autograd thread, which has
+            # no block of its own: the share that the replica's block gave the forward
+            return remembered.share
+        forward_mask = remembered.in_autograd_thread()
+        if forward_mask is not None:
+            return forward_mask
     mask = block_mask(input)
     if is_recomputing():
         if remembered is not None and mask is not None:
@@ -227,12 +234,30 @@ class _Remembered:
     has no block, and the replica, a copy made for one forward, goes with its step.
     """
 
-    __slots__ = ("_reference", "_shape", "_device", "share")
+    __slots__ = ("_reference", "_shape", "_device", "_thread", "share")
 
     def __init__(self, mask: torch.Tensor, replica: bool = False) -> None:
         self._reference = weakref.ref(mask)
         self._shape, self._device = mask.shape, mask.device
+        self._thread = threading.get_ident()
         self.share = mask if replica else None
+
+    def in_autograd_thread(self) -> torch.Tensor | None:
+        """The remembered mask, for a recomputation in another thread than the forward's,
+        which has no block of its own, while a block is still open and the mask alive; else
+        ``None``.
+
+        On CUDA, autograd runs a backward, and the forwards that checkpointing recomputes
+        in it, in a thread of its own per device: the block that the forward's thread
+        holds open around ``backward()`` is not that thread's (on the CPU the calling
+        thread runs the backward, and finds the block itself). As torch's checkpointing
+        restores the forward's autocast state, the recomputation takes the forward's mask.
+        """
+        if self._thread == threading.get_ident() or not _open_blocks:
+            return None
+        if getattr(_state, "mask", _UNSET) is not _UNSET:
+            return None  # the thread has a block of its own: checked as any recomputation
+        return self._reference()
 
     def matches(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is the remembered one, or one of its shape on its device (its

@@ -86,7 +86,10 @@ def sync_batch_norm(
         >>> y = sync_batch_norm(x, mean, var, training=True)
     """
     if (running_mean is None) != (running_var is None):
-        # torch's check, which the synchronized and masked paths would not reach
+        # torch's checks, which the synchronized and masked paths would not reach
+        if not training:
+            missing = "running_mean" if running_mean is None else "running_var"
+            raise RuntimeError(f"{missing} must be defined in evaluation mode")
         raise ValueError("running_mean and running_var must either both be None or neither be None")
     if not isinstance(momentum, float):
         momentum = _float_argument("momentum", momentum)
@@ -94,10 +97,16 @@ def sync_batch_norm(
         eps = _float_argument("eps", eps)
     world_size = distributed.get_world_size(process_group) if training else 1
     per_channel = first_given(weight, bias, running_mean, running_var)
+    channels = None if per_channel is None else per_channel.numel()
+    if world_size <= 1 and isinstance(input, torch.Tensor) and input.dim() > 1:
+        # no collective: the input tells the channel count, so that a per-channel tensor of
+        # another size is named as such (torch: "weight should contain 3 elements not 4");
+        # ranks that synchronize take it from the tensors, which every rank's call agrees on
+        channels = input.shape[1]
     if world_size <= 1 and (mask is None or not training):
         problem = input_problem(
             input,
-            None if per_channel is None else per_channel.numel(),
+            channels,
             None if per_channel is None else per_channel.device,
             parameters=(weight, bias, running_mean, running_var),
         )
@@ -117,7 +126,7 @@ def sync_batch_norm(
     if per_channel is None and input.dim() < 2:
         # nothing tells the channel count, so the other ranks cannot be told either
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-    num_features = input.shape[1] if per_channel is None else per_channel.numel()
+    num_features = input.shape[1] if channels is None else channels
     compiling = _compiled.is_compiling()
     if compiling and _compiled.FULLGRAPH:
         return _compiled.sync_batch_norm_train(

@@ -539,10 +539,12 @@ def normalize(
     centered = moments.centered
     if centered is None or not reuses_shifted_copy(input, moments):
         mean, var, _, _ = saved.unbind()
+        # reshape: a 0-dim weight or bias of one channel, which torch's kernel refuses for
+        # an empty batch (this call runs after the collective: it must not raise)
         output = torch.batch_norm(
             input,
-            None if weight is None else weight.to(dtype),
-            None if bias is None else bias.to(dtype),
+            None if weight is None else weight.reshape(-1).to(dtype),
+            None if bias is None else bias.reshape(-1).to(dtype),
             mean,
             var,
             False,
