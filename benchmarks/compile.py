@@ -31,8 +31,8 @@ for a batch of 0 (a stride assert on ``aten.convolution_backward``'s weight grad
 batches with the ``aot_eager`` backend.
 
 Each rank also times the floor of syncbn's communication per step: the all_reduces of
-exactly the payloads its 15 layers send (``2 * C + 5`` and ``2 * C + 4`` float64 values per
-layer, forward and backward), back to back. ``--world-size 1 --sync-alone`` forces the
+exactly the payloads its 15 layers send (``2 * C + 5`` float64 values per layer, forward
+and backward), back to back. ``--world-size 1 --sync-alone`` forces the
 synchronized path on one rank (a one-rank gloo group: the collectives cost microseconds),
 which measures syncbn's compute, plus a one-rank gloo all_reduce per layer call and
 direction (about 0.1-0.2 ms each on the 2-core CPU machine: a hand-off to gloo's worker

@@ -89,7 +89,7 @@ MICRO_ELEMENTS = (16, 1024, 16384, 131072)
 MODEL_WORLD_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 DESIGNS = ("syncbn", "allgather")
 DESIGN_LABELS = {
-    "syncbn": "syncbn (all_reduce 2C+5 / 2C+4 float64)",
+    "syncbn": "syncbn (all_reduce 2C+5 float64 each way)",
     "allgather": "torch.nn.SyncBatchNorm (all_gather Wx(2C+1) + all_reduce 2C float32)",
     "syncbn_fp32": "proposed: syncbn with a float32 payload",
     "syncbn_gather": "proposed: syncbn all_gathers its float64 buffer forward",
@@ -233,7 +233,7 @@ def _layer(design: str, channels: int, dtype: torch.dtype = torch.float32) -> nn
 def design_collectives(design: str, channels: int) -> list[Collective]:
     """The collectives (and the bytes each rank puts in) of one forward+backward layer call.
 
-    ``syncbn``: all_reduce of ``2C+5`` then ``2C+4`` float64 values (``_protocol.py``);
+    ``syncbn``: two all_reduces of ``2C+5`` float64 values (``_protocol.py``);
     ``allgather``: torch.nn.SyncBatchNorm with float32 input, all_gather of ``2C+1`` then
     all_reduce of ``2C`` float32 values; the two proposals of ``scale.md``:
     ``syncbn_fp32`` (syncbn's layout in float32) and ``syncbn_gather`` (syncbn's float64
@@ -243,19 +243,19 @@ def design_collectives(design: str, channels: int) -> list[Collective]:
     if design == "syncbn":
         return [
             Collective("all_reduce", (2 * c + 5) * 8),
-            Collective("all_reduce", (2 * c + 4) * 8),
+            Collective("all_reduce", (2 * c + 5) * 8),
         ]
     if design == "allgather":
         return [Collective("all_gather", (2 * c + 1) * 4), Collective("all_reduce", 2 * c * 4)]
     if design == "syncbn_fp32":
         return [
             Collective("all_reduce", (2 * c + 5) * 4),
-            Collective("all_reduce", (2 * c + 4) * 4),
+            Collective("all_reduce", (2 * c + 5) * 4),
         ]
     if design == "syncbn_gather":
         return [
             Collective("all_gather", (2 * c + 5) * 8),
-            Collective("all_reduce", (2 * c + 4) * 8),
+            Collective("all_reduce", (2 * c + 5) * 8),
         ]
     raise ValueError(f"unknown design {design!r}")
 
@@ -835,7 +835,7 @@ def render(data: Mapping[str, Any], derived: Mapping[str, Any]) -> str:
         f"{data['load_average_end']}.",
         "",
         "Two designs, measured in the same run: **syncbn** (`syncbn.SyncBatchNorm`: one "
-        "all_reduce of `2C+5` float64 values forward, `2C+4` backward) and **all_gather** "
+        "all_reduce of `2C+5` float64 values forward and one backward) and **all_gather** "
         "(`AllGatherSyncBatchNorm` in `scale.py`: torch.nn.SyncBatchNorm's collectives on CPU, "
         "an all_gather of `[mean, invstd, count]`, `2C+1` float32 values per rank, forward and "
         "an all_reduce of `2C` float32 values backward; torch's own refuses CPU).",
@@ -860,12 +860,13 @@ def render(data: Mapping[str, Any], derived: Mapping[str, Any]) -> str:
     lines += [
         "",
         f"syncbn's bytes per rank are {constant} at {', '.join(map(str, world_sizes))} ranks "
-        "(sent = received = `(2C+5)x8 + (2C+4)x8`). The all_gather design sends "
+        "(sent = received = `2 x (2C+5)x8`). The all_gather design sends "
         "`(2C+1)x4 + 2Cx4` bytes and receives `Wx(2C+1)x4 + 2Cx4`. **Where syncbn loses on "
         "bytes**: it sends twice torch's bytes at every world size (float64 against float32), "
         "and on a ring's links it moves more than the all_gather design up to 6 ranks "
-        "(`2(W-1)/W x (32C+72)` against `(W-1)(8C+4) + 2(W-1)/W x 8C`: the same per channel "
-        "at W=6, where syncbn moves 100 bytes more; syncbn ahead from 7 ranks on). The "
+        "(`2(W-1)/W x (32C+80)` against `(W-1)(8C+4) + 2(W-1)/W x 8C`: the same per channel "
+        "at W=6, where syncbn moves 113 bytes more; syncbn ahead from 7 ranks on, from 17 "
+        "channels). The "
         "proposed fixes are at the end.",
         "",
         "## Measured: float64 parity with BatchNorm2d on the global batch",
@@ -1109,7 +1110,7 @@ def render(data: Mapping[str, Any], derived: Mapping[str, Any]) -> str:
         "the merge is as exact as now; the fingerprint and error checks sum the same way): "
         f"'proposed gather forward', {g['syncbn_gather']:.2f} ms per step in a group of 8. "
         "Not implemented.",
-        "2. **Bytes: float64 is twice torch's float32.** syncbn sends `32C+72` bytes per layer "
+        "2. **Bytes: float64 is twice torch's float32.** syncbn sends `32C+80` bytes per layer "
         "call against torch's `16C+4`; on a ring it moves more up to 6 ranks. The model shows "
         "that bytes barely matter at ResNet sizes (the 'proposed fp32 payload' column is "
         "within a few percent of syncbn's): every payload is under 33 KB, so latency decides. "

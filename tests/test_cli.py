@@ -6,8 +6,10 @@ import argparse
 import ast
 import importlib.util
 import json
+import math
 import subprocess
 import sys
+import time
 import types
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -135,6 +137,57 @@ def test_demo_rejects_an_out_that_is_a_file(
     assert cli.main(["demo", "--out", str(out)]) == 2
     assert "argument --out:" in capsys.readouterr().err
     assert out.read_text() == "not a folder"
+
+
+@needs_demo_extra
+@pytest.mark.parametrize("blocked", ["results.json", "curves.png"])
+def test_demo_rejects_an_out_whose_files_cannot_be_written_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], blocked: str
+) -> None:
+    """A folder where an output file is: the demo trained its three runs, then ended in
+    an IsADirectoryError traceback."""
+    (tmp_path / blocked).mkdir()
+    start = time.monotonic()
+    assert cli.main(["demo", "--out", str(tmp_path), "--steps", "2"]) == 2
+    assert f"argument --out: '{tmp_path / blocked}' is a directory" in capsys.readouterr().err
+    assert time.monotonic() - start < 20  # before any rank starts (the data set loads)
+
+
+def test_the_demo_reports_a_diverged_run_as_nan_not_as_exact() -> None:
+    """``max(0.0, nan)`` is 0.0: a run whose weights went NaN read "0.0e+00" (a review,
+    with --lr 1e9)."""
+    from syncbn._cli.demo import format_table
+    from syncbn._cli.demo_train import _max_abs_difference
+
+    nan = float("nan")
+    reference = {"w": torch.zeros(2), "running_mean": torch.zeros(2)}
+    state = {"w": torch.tensor([nan, 5.0]), "running_mean": torch.ones(2)}
+    difference = _max_abs_difference(state, reference, {"w"})
+    assert math.isnan(difference["parameters"]) and difference["buffers"] == 1.0
+    record = {"train_loss": nan, "test_accuracy": 0.1, "train_seconds": 1.0}
+    curve = {"curve": {"step": [1, 2]}}
+    results = {
+        "runs": {
+            "ddp_batchnorm": {
+                **record,
+                **curve,
+                "label": "(a)",
+                "max_abs_diff_vs_single_process": difference,
+            },
+            "single_process": {
+                **record,
+                **curve,
+                "label": "(c)",
+                "max_abs_diff_vs_single_process": difference,
+            },
+        },
+        "config": {"steps": 2, "nproc": 2, "batch_per_proc": 2, "dtype": "float64", "seed": 0},
+        "train_size": 1,
+        "test_size": 1,
+        "global_batch": 4,
+    }
+    row = format_table(results).splitlines()[2]
+    assert row.startswith("(a)") and row.endswith("nan"), row
 
 
 @needs_demo_extra

@@ -422,6 +422,29 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
                 assert kind == "RuntimeError" and "1 other rank(s) failed" in message, name
 
 
+def _eager_beside_compiled(rank: int, world_size: int) -> tuple[str, str]:
+    """Rank 0 runs the layer eagerly, rank 1 compiled: as when dynamo falls back to eager on
+    one rank only (its recompile limit reached by batch sizes that the others never see)."""
+    torch._dynamo.reset()
+    layer = syncbn.SyncBatchNorm(3, dtype=torch.float64)
+    run = layer if rank == 0 else torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    return outcome(lambda: run(x).sin().sum().backward())
+
+
+def test_an_eager_rank_beside_a_compiled_one_raises_in_backward(pool2: WorkerPool) -> None:
+    """Their forward buffers sum the same quantities (the local moments), but an eager
+    backward sums ``[sum(dy), sum(dy * xhat)]`` and a compiled one the gradients of the
+    global moments, in one layout: both ranks' input gradients came out wrong, silently
+    (a review: max error 0.38 and 23.8). A compiled backward has a fingerprint of its own."""
+    (eager_kind, eager), (compiled_kind, compiled) = pool2.run(_eager_beside_compiled)
+    assert eager_kind == compiled_kind == "RuntimeError", (eager, compiled)
+    assert "SyncBatchNorm layer mismatch in backward:" in eager
+    assert "(num_features=3) in a compiled backward in the same collective" in eager
+    assert "SyncBatchNorm layer mismatch in backward (compiled):" in compiled
+    assert "(num_features=3) in backward in the same collective" in compiled
+
+
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
     """Rank 0's second local batch is empty (a graph of its own: dynamo specializes size 0),
     while rank 1's runs the graph for dynamic batch sizes (:func:`_batch_dynamic`), as

@@ -251,25 +251,49 @@ class _Scaled(nn.BatchNorm1d):
         return super().forward(input * 10)
 
 
+class _ScaledSync(syncbn.SyncBatchNorm):
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(input * 10, mask)
+
+
+class _ActivatedSync(syncbn.SyncBatchNorm):
+    """Normalizes the tensor it is given, then adds to it (as timm's BatchNormAct2d)."""
+
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.relu(super().forward(input, mask))
+
+
 @pytest.mark.parametrize(
     ("layer", "shape", "match"),
     [
         (_TimeMajor(4), (8, 4, 4), "normalizes another tensor than the one it is given"),
         (_TimeMajor(4), (8, 6, 4), r"input of shape \(8, 6, 4\), whose dimension 1"),
         (_Scaled(4), (8, 4), "normalizes another tensor than the one it is given"),
+        (_ScaledSync(4), (8, 4), "normalizes another tensor than the one it is given"),
     ],
-    ids=["transposed-square", "transposed", "scaled"],
+    ids=["transposed-square", "transposed", "scaled", "scaled-syncbn-subclass"],
 )
 def test_a_forward_that_changes_its_input_first_is_refused(
     layer: nn.BatchNorm1d, shape: tuple[int, ...], match: str
 ) -> None:
     """Its statistics are those of another tensor than the recorded one: they came out
-    silently wrong (or a size mismatch was raised), and now nothing changes."""
+    silently wrong (or a size mismatch was raised), and now nothing changes. A subclass of
+    syncbn.SyncBatchNorm was taken as SyncBatchNorm itself, unwatched (a review found its
+    statistics 10x those of the batches)."""
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     with pytest.raises(ValueError, match=match):
         syncbn.recompute_statistics(layer, [torch.randn(*shape) + 3 for _ in range(2)])
     for key, value in layer.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_a_syncbn_subclass_that_normalizes_its_input_is_taken() -> None:
+    layer = _ActivatedSync(3).double()
+    batches = [torch.randn(4, 3, dtype=torch.float64) + 2 for _ in range(3)]
+    syncbn.recompute_statistics(layer, batches)
+    var, mean = torch.var_mean(torch.cat(batches), dim=0, correction=1)
+    torch.testing.assert_close(layer.running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.running_var, var, rtol=1e-12, atol=1e-12)
 
 
 def _negative_num_batches_on_rank_0(rank: int, world_size: int) -> tuple[str, str]:

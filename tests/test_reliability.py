@@ -45,6 +45,43 @@ def test_ranks_at_different_layers_raise_naming_their_own_layer(
         assert "same number of times" in message and "check_layer_order = False" in message
 
 
+def _skipped_backward(rank: int, world_size: int, check_mode: str) -> tuple[str, str]:
+    """Rank 0 skips a step's backward (a loss it decided not to use) and goes on to the
+    next forward: its forward collective meets the other ranks' backward one, of the same
+    layer and channel count."""
+    layer = syncbn.SyncBatchNorm(3)
+    layer.check_mode = check_mode
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def step() -> None:
+        output = layer(x)
+        if rank != 0:
+            output.sum().backward()
+        layer(x)
+        syncbn.check_deferred()
+
+    return outcome(step)
+
+
+@pytest.mark.parametrize("check_mode", ["immediate", "deferred"])
+def test_a_forward_meeting_a_backward_raises_on_every_rank(
+    pool2: WorkerPool, check_mode: str
+) -> None:
+    """Forward and backward buffers once differed in length (2C+5 and 2C+4 values): gloo
+    aborted a process (SIGABRT, "Received data size doesn't match expected size") and the
+    other raised a backend error, or a mismatch naming the same layer on both sides. They
+    now have one length and their own fingerprints."""
+    (forward_kind, at_forward), (backward_kind, at_backward) = pool2.run(
+        _skipped_backward, check_mode, timeout=60.0
+    )
+    assert forward_kind == backward_kind == "RuntimeError", (at_forward, at_backward)
+    assert "SyncBatchNorm layer mismatch in forward" in at_forward
+    assert "other ranks of the process group are at SyncBatchNorm layer" in at_forward
+    assert "(num_features=3) in backward in the same collective" in at_forward
+    assert "SyncBatchNorm layer mismatch in backward" in at_backward
+    assert "(num_features=3) in the same collective" in at_backward  # the others' forward
+
+
 def _check_disabled(rank: int, world_size: int) -> tuple[str, str]:
     model = cast(
         nn.Sequential,

@@ -344,7 +344,7 @@ def join_with_error(options: TrainOptions, phase: str, device: torch.device) -> 
     if phase == "forward":
         buffer = _protocol.pack_forward(0, zeros, zeros, layer.fingerprint, error=True)
     else:
-        buffer = _protocol.pack_backward(zeros, zeros, layer.fingerprint, error=True)
+        buffer = _protocol.pack_backward(zeros, zeros, layer.fingerprint, error=True, phase=phase)
     try:
         options.reducer.all_reduce(buffer, phase)
     except Exception:  # noqa: BLE001 - the original exception is the one to report

@@ -318,10 +318,11 @@ def _sync_moments_backward(
     options = _options(site, group_name, num_features, None, backward=True)
     device = grad_moments.device
     resolve_mode(options, device)  # a deferred problem, before the collective (see there)
-    with join_on_error(options, "backward", device):
+    phase = _protocol.COMPILED_BACKWARD  # not an eager backward's sums: its own fingerprint
+    with join_on_error(options, phase, device):
         # [sum(x) (C), sum(x**2) (C)]'s gradients, in the order of a backward buffer
-        buffer = _protocol.pack_backward_sums(grad_moments[1:], options.layer.fingerprint)
-    totals = synchronize_grads(buffer, options, device)
+        buffer = _protocol.pack_backward_sums(grad_moments[1:], options.layer.fingerprint, phase)
+    totals = synchronize_grads(buffer, options, device, phase)
     # the count is no function of the input: no gradient (one op, where a copy into a
     # slice and the zeroing of another were four; the cached zero is never written)
     zero, _, _ = constants(1, out.dtype, device)

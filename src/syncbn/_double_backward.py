@@ -19,7 +19,7 @@ Two autograd Functions carry what crosses ranks:
   gradients that reach them are summed over the ranks.
 
 The backward thus runs one collective, as without ``create_graph``, and differentiating
-its result again runs two more per layer call (each ``2 * C + 4`` float64 values), whose
+its result again runs two more per layer call (each ``2 * C + 5`` float64 values), whose
 fingerprint names the phase: ranks that differentiate different things raise instead of
 summing mismatched gradients. Nothing here changes a backward without ``create_graph``.
 """

@@ -7,16 +7,24 @@ buffers lives in :mod:`syncbn.distributed`, the maths in :mod:`syncbn._stats` an
 Layout
 ------
 Forward: ``[error, f, f**2, n, sum(x) (C), sum(x**2) (C), f]``, ``2 * C + 5`` float64
-values whatever the world size. Backward: ``[error, f, f**2, sum(dy) (C),
-sum(dy * xhat) (C), f]``, ``2 * C + 4`` values.
+values whatever the world size. Backward: ``[error, b, b**2, 0, sum(dy) (C),
+sum(dy * xhat) (C), b]``, as many values, where ``b`` is the layer's backward fingerprint
+(:func:`backward_fingerprint`). Both directions have one length and their own
+fingerprints, so that a rank in a layer's forward whose collective meets another rank's
+backward (a rank that skipped its backward, or took a branch the others did not) fails
+the checks on every rank; with lengths that differed, gloo aborted the processes. A
+compiled backward (:data:`COMPILED_BACKWARD`) sums other quantities in the same layout,
+the gradients of the global moments, and has a fingerprint of its own too: a rank whose
+call ran eagerly (dynamo fell back on one rank only) meeting a compiled one fails the
+checks instead of summing unlike numbers.
 
 ``error`` is 1 on a rank that failed before the collective (invalid input, or an
 exception in its local computation): it joins the collective only so that no other rank
 is left waiting. ``f`` is the layer's fingerprint: if all ranks reached the same layer,
 the sums equal ``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``,
 and if any two ranks differ, the sums differ on every rank (equal mean and mean square
-imply zero spread). The fingerprint is an integer of at most ``2**16`` so all sums are
-exact. The trailer catches ranks whose buffers differ in length (different channel
+imply zero spread). A fingerprint is an integer under ``2**18`` (a layer's at most ``2**16``,
+the backward ones offset from it), so all sums are exact. The trailer catches ranks whose buffers differ in length (different channel
 counts): a backend that reduces only the shorter length leaves the longer buffer's last
 slot without the other ranks' share. ``n`` is the rank's count per channel; its sum, the
 global count, stays on the buffer's device.
@@ -47,10 +55,13 @@ import torch
 
 __all__ = [
     "CHECK_MODES",
+    "COMPILED_BACKWARD",
     "COUNT_SLOT",
     "FORWARD_HEADER_VALUES",
     "Header",
     "HeaderCheck",
+    "SUMS_SLOT",
+    "backward_fingerprint",
     "backward_size",
     "backward_totals",
     "check_now",
@@ -76,9 +87,16 @@ __all__ = [
 ]
 
 _HEADER_SIZE = 3  # error, fingerprint, fingerprint**2
-_COUNT_SLOT = _HEADER_SIZE  # forward buffers only
+_COUNT_SLOT = _HEADER_SIZE  # forward buffers; 0 in backward buffers
 #: the slot of a forward buffer's count, for kernels that read a buffer themselves
 COUNT_SLOT = _COUNT_SLOT
+#: the slot of the first sum, in both directions
+SUMS_SLOT = _COUNT_SLOT + 1
+#: what a backward fingerprint adds to the layer's (forward) fingerprint; a compiled
+#: backward's adds twice as much
+_BACKWARD_OFFSET = 1 << 16
+#: the phase of a compiled step's backward collective (``syncbn::sync_moments_backward``)
+COMPILED_BACKWARD = "backward (compiled)"
 #: how many numbers :func:`header_values` takes from a forward buffer (two rows of six)
 FORWARD_HEADER_VALUES = 12
 PACK_DTYPE = torch.float64
@@ -93,8 +111,20 @@ def forward_size(num_features: int) -> int:
 
 
 def backward_size(num_features: int) -> int:
-    """Length of a backward buffer: header, two sums per channel, trailer."""
-    return _HEADER_SIZE + 2 * num_features + 1
+    """Length of a backward buffer: header, a zero, two sums per channel, trailer; a
+    forward buffer's (see the module's docstring)."""
+    return forward_size(num_features)
+
+
+def backward_fingerprint(fingerprint: int, phase: str = "backward") -> int:
+    """The fingerprint that a layer's backward buffers carry: its forward fingerprint plus
+    ``2**16``, or ``2**17`` in a :data:`COMPILED_BACKWARD` (0, the order check off, stays
+    0), so that no two of the three match. Under ``2**18``: the sums of the fingerprints'
+    squares stay exact for up to ``2**17`` ranks."""
+    if not fingerprint:
+        return 0
+    offset = 2 * _BACKWARD_OFFSET if phase == COMPILED_BACKWARD else _BACKWARD_OFFSET
+    return fingerprint + offset
 
 
 #: fingerprint -> descriptions of the layers of this process that have it, to name the
@@ -105,9 +135,17 @@ _fingerprinted: dict[int, set[str]] = {}
 @functools.lru_cache(maxsize=4096)
 def fingerprint(layer_name: str, num_features: int) -> int:
     """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
-    value = zlib.crc32(f"{layer_name}|{num_features}".encode()) % (1 << 16) + 1
+    value = zlib.crc32(f"{layer_name}|{num_features}".encode()) % _BACKWARD_OFFSET + 1
     name = repr(layer_name) if layer_name else "<unnamed>"
-    _fingerprinted.setdefault(value, set()).add(f"{name} (num_features={num_features})")
+    described = f"{name} (num_features={num_features})"
+    _fingerprinted.setdefault(value, set()).add(described)
+    for phase, where in (
+        ("backward", "in backward"),
+        (COMPILED_BACKWARD, "in a compiled backward"),
+    ):
+        _fingerprinted.setdefault(backward_fingerprint(value, phase), set()).add(
+            f"{described} {where}"
+        )
     return value
 
 
@@ -128,7 +166,8 @@ def _others_layer(header: Header, world_size: int, own: int) -> str:
 def _buffer_ends(
     fingerprint: int, count: int | None, error: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head and trailer of a buffer (``count`` is ``None`` for backward buffers).
+    """The head and trailer of a buffer: ``count`` is the forward count slot's value (0 in
+    a backward buffer), or ``None`` where the caller concatenates it (a count on the device).
 
     They depend only on the layer and the local count, which usually repeat from step
     to step, so they are built once per combination; ``torch.cat`` never writes to them.
@@ -170,21 +209,29 @@ def pack_forward_moments(
 
 
 def pack_backward(
-    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, fingerprint: int, error: bool = False
+    sum_dy: torch.Tensor,
+    sum_dy_xhat: torch.Tensor,
+    fingerprint: int,
+    error: bool = False,
+    phase: str = "backward",
 ) -> torch.Tensor:
-    """Pack one rank's backward sums into a float64 buffer of ``backward_size(C)``.
+    """Pack one rank's backward sums into a float64 buffer of ``backward_size(C)``, with
+    the :func:`backward_fingerprint` of the layer's ``fingerprint`` for ``phase``.
 
     The sums may be float32; ``torch.cat`` promotes them to the buffer's float64 (in one
     kernel on the CPU; CUDA's copies each input on its own when their dtypes differ).
     """
-    head, trailer = _buffer_ends(fingerprint, None, error, sum_dy.device)
+    head, trailer = _buffer_ends(backward_fingerprint(fingerprint, phase), 0, error, sum_dy.device)
     return torch.cat([head, sum_dy, sum_dy_xhat, trailer])
 
 
-def pack_backward_sums(sums: torch.Tensor, fingerprint: int) -> torch.Tensor:
-    """Pack ``(2 * C,)`` float64 ``[sum(dy) (C), sum(dy * xhat) (C)]`` into a backward buffer:
-    the layout of :func:`pack_backward`, whose middle they are."""
-    head, trailer = _buffer_ends(fingerprint, None, False, sums.device)
+def pack_backward_sums(
+    sums: torch.Tensor, fingerprint: int, phase: str = "backward"
+) -> torch.Tensor:
+    """Pack ``(2 * C,)`` float64 sums into a backward buffer (the layout of
+    :func:`pack_backward`, whose middle they are): ``[sum(dy) (C), sum(dy * xhat) (C)]``, or
+    in a :data:`COMPILED_BACKWARD` the gradients of ``[sum(x) (C), sum(x**2) (C)]``."""
+    head, trailer = _buffer_ends(backward_fingerprint(fingerprint, phase), 0, False, sums.device)
     return torch.cat([head, sums, trailer])
 
 
@@ -217,9 +264,9 @@ def forward_sums(buffer: torch.Tensor) -> torch.Tensor:
 
 def backward_totals(buffer: torch.Tensor) -> torch.Tensor:
     """Global ``sum(dy)`` and ``sum(dy * xhat)`` from a backward buffer, as rows of ``(2, C)``."""
-    num_channels = (buffer.numel() - _HEADER_SIZE - 1) // 2
+    num_channels = (buffer.numel() - SUMS_SLOT - 1) // 2
     return buffer.as_strided(
-        (2, num_channels), (num_channels, 1), buffer.storage_offset() + _HEADER_SIZE
+        (2, num_channels), (num_channels, 1), buffer.storage_offset() + SUMS_SLOT
     )
 
 
@@ -394,10 +441,12 @@ class HeaderCheck(NamedTuple):
     Attributes:
         world_size: number of participants in the collective.
         participants: what they are called (``"ranks"``, ``"replicas"``).
-        fingerprint: this rank's fingerprint of the layer (0 when the order check is off).
+        fingerprint: this rank's fingerprint of the layer (0 when the order check is off);
+            a backward phase compares its :func:`backward_fingerprint`.
         check_fingerprint: compare the fingerprints (the layer-order check).
         layer: the layer call, e.g. described ``SyncBatchNorm layer 'bn1' (...)``.
-        phase: ``"forward"`` or ``"backward"``.
+        phase: ``"forward"``, ``"backward"``, :data:`COMPILED_BACKWARD`, or a double
+            backward's phase.
         same_calls_rule: the rule a mismatch breaks, quoted in its error.
         input_size: the local input's size, for the "more than 1 value" error.
     """
@@ -421,6 +470,8 @@ class HeaderCheck(NamedTuple):
                 f"{one} was at {self.layer.describe()}; see the error raised on that {one}"
             )
         own = self.fingerprint
+        if self.phase != "forward":  # a backward buffer (a double backward's too)
+            own = backward_fingerprint(own, self.phase)
         if self.check_fingerprint and (
             header.fingerprint_sum != self.world_size * own
             or header.fingerprint_square_sum != self.world_size * own * own

@@ -120,7 +120,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
     ``momentum=None`` gives a cumulative moving average, as in torch.
 
     Each training call costs one ``all_reduce`` of ``2 * C + 5`` float64 values in
-    forward and one of ``2 * C + 4`` in backward, whatever the world size, on any
+    forward and one of as many in backward, whatever the world size, on any
     device and any backend that supports ``all_reduce`` (gloo on CPU, nccl on CUDA).
 
     .. note::
@@ -175,6 +175,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.
+        - Mask (optional, ``layer(input, mask)``): :math:`(N, *)` bool, True at valid
+          positions, or broadcastable to it (see :meth:`forward`).
         - Output: :math:`(N, C, *)`, same shape and memory format as the input.
 
     Examples::
@@ -309,6 +311,21 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             raise problem
 
     def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize ``input``: in training with the statistics of the global batch (all
+        ranks of the process group), in eval mode with the running statistics.
+
+        Args:
+            input: :math:`(N, C, *)`.
+            mask: bool, True at valid positions, of the input's shape without the channel
+                dimension (``(N, L)`` for ``(N, C, L)``) or broadcastable to it; or
+                ``None`` (every position valid, or the mask of an enclosing
+                :class:`syncbn.masking` block). With a mask the statistics are those of
+                the valid positions of all ranks, and padded positions of the output (and
+                of the input gradient) are zero. Default: ``None``
+
+        Returns:
+            The normalized input, of its shape and memory format.
+        """
         traced = _compiled.leaf_call_when_fx_traced(self, input, mask=mask)
         if traced is not None:  # torch.fx.symbolic_trace: one node, like torch.nn's layers
             return traced  # type: ignore[no-any-return]

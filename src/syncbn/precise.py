@@ -110,8 +110,11 @@ class _NormalizedInputs(TorchFunctionMode):
 
 
 def _overrides_forward(layer: _BatchNorm) -> bool:
-    """Whether ``layer``'s class has a ``forward`` of its own (syncbn's layers' are known)."""
-    return type(layer).forward is not _BatchNorm.forward and not isinstance(layer, SyncBatchNorm)
+    """Whether ``layer``'s class has a ``forward`` of its own: other than BatchNorm's, or for
+    a :class:`syncbn.SyncBatchNorm`, other than its class's (a subclass's may transform the
+    input too)."""
+    known = SyncBatchNorm.forward if isinstance(layer, SyncBatchNorm) else _BatchNorm.forward
+    return type(layer).forward is not known
 
 
 @contextmanager

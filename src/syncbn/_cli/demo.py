@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import sys
@@ -201,6 +202,15 @@ def _make_out(out: str) -> None:
         raise _usage_error(f"argument --out: cannot create '{out}': {error}") from None
     if not os.access(out, os.W_OK):
         raise _usage_error(f"argument --out: '{out}' is not writable")
+    for name in (RESULTS_FILE, PLOT_FILE):  # written after training: refused before it
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            raise _usage_error(f"argument --out: '{path}' is a directory")
+    try:  # a folder that takes no file (/proc) passes os.access
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise _usage_error(f"argument --out: cannot write to '{out}': {error}") from None
 
 
 def load_data(seed: int) -> DemoData:
@@ -314,10 +324,13 @@ def run_demo(
         with _sigterm_as_interrupt():
             ranks_results = _train_on_ranks(config, data, workdir, on_start)
     text = json.dumps(ranks_results)
-    with open(os.path.join(out, RESULTS_FILE), "w") as file:
-        file.write(text)
     results: dict[str, Any] = json.loads(text)  # what results.json holds, JSON types
-    save_plot(results, os.path.join(out, PLOT_FILE))
+    try:
+        with open(os.path.join(out, RESULTS_FILE), "w") as file:
+            file.write(text)
+        save_plot(results, os.path.join(out, PLOT_FILE))
+    except OSError as error:  # the folder changed while the ranks trained
+        raise DemoError(f"cannot write the results to '{out}': {error}") from None
     return results
 
 
@@ -328,7 +341,8 @@ def format_table(results: dict[str, Any]) -> str:
     rows = []
     for key, record in runs.items():
         difference = record["max_abs_diff_vs_single_process"]
-        largest = max(difference["parameters"], difference["buffers"])
+        both = (difference["parameters"], difference["buffers"])
+        largest = math.nan if any(math.isnan(value) for value in both) else max(both)
         rows.append(
             (
                 record["label"],

@@ -13,6 +13,7 @@ import time), so that spawned ranks start fast.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -184,7 +185,11 @@ def _max_abs_difference(
             continue  # num_batches_tracked: the same step count in every run
         difference = (state[name] - value).abs().max().item()
         kind = "parameters" if name in parameters else "buffers"
-        result[kind] = max(result[kind], difference)
+        # a NaN (a run that diverged) wins: max(0.0, nan) is 0.0, which reads as exact
+        if math.isnan(difference) or math.isnan(result[kind]):
+            result[kind] = math.nan
+        else:
+            result[kind] = max(result[kind], difference)
     return result
 
 

@@ -248,9 +248,16 @@ def pack_backward(
     buffer = torch.empty(
         _protocol.backward_size(num_channels), dtype=torch.float64, device=sum_dy.device
     )
+    backward = _protocol.backward_fingerprint(fingerprint)
     with triton_passes.on_device_of(buffer):
         _pack_backward_kernel[(1,)](
-            sum_dy, sum_dy_xhat, buffer, num_channels, fingerprint, BLOCK=_BLOCK
+            sum_dy,
+            sum_dy_xhat,
+            buffer,
+            num_channels,
+            backward,
+            SUMS_SLOT=_protocol.SUMS_SLOT,
+            BLOCK=_BLOCK,
         )
     return buffer
 
@@ -283,6 +290,7 @@ def finalize_backward(
             header,
             epsilon(eps, buffer.device) if masked else buffer,  # (read only when masked)
             num_channels,
+            SUMS_SLOT=_protocol.SUMS_SLOT,
             MASKED_ROWS=masked,
             BLOCK=_BLOCK,
         )
@@ -429,21 +437,29 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit(do_not_specialize=["num_channels", "fingerprint"])
 def _pack_backward_kernel(
-    sum_dy, sum_dy_xhat, buffer, num_channels, fingerprint, BLOCK: tl.constexpr
+    sum_dy,
+    sum_dy_xhat,
+    buffer,
+    num_channels,
+    fingerprint,
+    SUMS_SLOT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # type: ignore[no-untyped-def]
-    # syncbn._protocol.pack_backward: [error (0), f, f**2, sum(dy) (C), sum(dy * xhat) (C), f]
+    # syncbn._protocol.pack_backward: [error (0), b, b**2, 0, sum(dy) (C), sum(dy * xhat) (C),
+    # b], b the backward fingerprint
     f = fingerprint.to(tl.float64)
     tl.store(buffer, 0.0)
     tl.store(buffer + 1, f)
     tl.store(buffer + 2, f * f)
-    tl.store(buffer + 3 + 2 * num_channels, f)
+    tl.store(buffer + SUMS_SLOT - 1, 0.0)
+    tl.store(buffer + SUMS_SLOT + 2 * num_channels, f)
     for first in range(0, num_channels, BLOCK):
         channel = first + tl.arange(0, BLOCK)
         inside = channel < num_channels
         values = tl.load(sum_dy + channel, mask=inside, other=0.0).to(tl.float64)
-        tl.store(buffer + 3 + channel, values, mask=inside)
+        tl.store(buffer + SUMS_SLOT + channel, values, mask=inside)
         values = tl.load(sum_dy_xhat + channel, mask=inside, other=0.0).to(tl.float64)
-        tl.store(buffer + 3 + num_channels + channel, values, mask=inside)
+        tl.store(buffer + SUMS_SLOT + num_channels + channel, values, mask=inside)
 
 
 @triton.jit(do_not_specialize=["num_channels"])
@@ -454,6 +470,7 @@ def _finalize_backward_kernel(
     header,
     epsilon,
     num_channels,
+    SUMS_SLOT: tl.constexpr,
     MASKED_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # type: ignore[no-untyped-def]
@@ -461,16 +478,16 @@ def _finalize_backward_kernel(
     tl.store(header, tl.load(buffer))
     tl.store(header + 1, tl.load(buffer + 1))
     tl.store(header + 2, tl.load(buffer + 2))
-    tl.store(header + 3, tl.load(buffer + 3 + 2 * num_channels))
+    tl.store(header + 3, tl.load(buffer + SUMS_SLOT + 2 * num_channels))
     # syncbn._kernels.generic.input_grad: totals.to(scale.dtype).mul_(correction_scale)
     stat_type = saved.dtype.element_ty
     for first in range(0, num_channels, BLOCK):
         channel = first + tl.arange(0, BLOCK)
         inside = channel < num_channels
         correction_scale = tl.load(saved + 3 * num_channels + channel, mask=inside, other=0.0)
-        total = tl.load(buffer + 3 + channel, mask=inside, other=0.0)
+        total = tl.load(buffer + SUMS_SLOT + channel, mask=inside, other=0.0)
         correction_bias = total.to(stat_type) * correction_scale
-        total = tl.load(buffer + 3 + num_channels + channel, mask=inside, other=0.0)
+        total = tl.load(buffer + SUMS_SLOT + num_channels + channel, mask=inside, other=0.0)
         correction_weight = total.to(stat_type) * correction_scale
         if MASKED_ROWS:
             # syncbn._kernels.generic.corrected_input_grad's slope and offset, in the
