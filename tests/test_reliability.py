@@ -97,6 +97,34 @@ def test_layer_order_check_can_be_turned_off(pool2: WorkerPool) -> None:
     assert pool2.run(_check_disabled) == [("ok", "")] * 2
 
 
+def _check_disabled_on_rank_1(rank: int, world_size: int, check_mode: str) -> tuple[str, str]:
+    layer = syncbn.SyncBatchNorm(3)
+    layer.check_layer_order = rank != 1
+    layer.check_mode = check_mode
+
+    def call() -> None:
+        layer(torch.randn(4, 3))
+        syncbn.check_deferred()
+
+    return outcome(call)
+
+
+@pytest.mark.parametrize("check_mode", ["immediate", "deferred"])
+def test_a_layer_order_check_off_on_one_rank_raises_on_every_rank(
+    pool2: WorkerPool, check_mode: str
+) -> None:
+    """The checking rank raised that the other was at "a different layer" (the same one),
+    and the rank without the check went on alone, to wait in its next collective."""
+    (_, checking), (kind, unchecked) = pool2.run(_check_disabled_on_rank_1, check_mode)
+    assert "other ranks of the process group are at a layer whose check_layer_order is False" in (
+        checking
+    ), checking
+    assert kind == "RuntimeError", unchecked
+    assert "with check_layer_order = False, but other ranks of the process group check" in (
+        unchecked
+    ), unchecked
+
+
 def _different_channel_counts(rank: int, world_size: int) -> tuple[str, str]:
     bn = syncbn.SyncBatchNorm(3 if rank == 0 else 5)
     return outcome(bn, torch.randn(4, bn.num_features))

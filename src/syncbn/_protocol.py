@@ -23,11 +23,12 @@ exception in its local computation): it joins the collective only so that no oth
 is left waiting. ``f`` is the layer's fingerprint: if all ranks reached the same layer,
 the sums equal ``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``,
 and if any two ranks differ, the sums differ on every rank (equal mean and mean square
-imply zero spread). A fingerprint is an integer under ``2**18`` (a layer's at most ``2**16``,
-the backward ones offset from it), so all sums are exact. The trailer catches ranks whose buffers differ in length (different channel
-counts): a backend that reduces only the shorter length leaves the longer buffer's last
-slot without the other ranks' share. ``n`` is the rank's count per channel; its sum, the
-global count, stays on the buffer's device.
+imply zero spread). A fingerprint is an integer under ``2**18`` (a layer's at most
+``2**16``, the backward ones offset from it), so all sums are exact. The trailer catches
+ranks whose buffers differ in length (different channel counts): a backend that reduces
+only the shorter length leaves the longer buffer's last slot without the other ranks'
+share. ``n`` is the rank's count per channel; its sum, the global count, stays on the
+buffer's device.
 
 When the checks run
 -------------------
@@ -153,6 +154,8 @@ def _others_layer(header: Header, world_size: int, own: int) -> str:
     """Where the other ranks are, when they all agree and this process knows that layer."""
     others = world_size - 1
     rest, square_rest = header.fingerprint_sum - own, header.fingerprint_square_sum - own * own
+    if others >= 1 and rest == square_rest == 0:
+        return "a layer whose check_layer_order is False (no fingerprint)"
     if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
         return "a different layer"
     # a copy: another thread may register a fingerprint meanwhile
@@ -472,6 +475,15 @@ class HeaderCheck(NamedTuple):
         own = self.fingerprint
         if self.phase != "forward":  # a backward buffer (a double backward's too)
             own = backward_fingerprint(own, self.phase)
+        if not self.check_fingerprint and header.fingerprint_sum:
+            # this rank sends no fingerprint, others do: the others raise the mismatch,
+            # and this rank would go on alone to wait in its next collective
+            return RuntimeError(
+                f"SyncBatchNorm layer check differs between ranks in {self.phase}: this rank "
+                f"is at {self.layer.describe()} with check_layer_order = False, but other "
+                "ranks of the process group check the layer order; set check_layer_order "
+                "alike on every rank"
+            )
         if self.check_fingerprint and (
             header.fingerprint_sum != self.world_size * own
             or header.fingerprint_square_sum != self.world_size * own * own
