@@ -445,6 +445,22 @@ def test_an_eager_rank_beside_a_compiled_one_raises_in_backward(pool2: WorkerPoo
     assert "(num_features=3) in backward in the same collective" in compiled
 
 
+def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str]:
+    torch._dynamo.reset()
+    layer = syncbn.SyncBatchNorm(3, device="meta")
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    return outcome(compiled, torch.randn(2, 3, 5))
+
+
+def test_a_meta_device_layer_given_a_cpu_input_raises_under_compile(pool2: WorkerPool) -> None:
+    """The invalid call's op dispatched to its meta kernel (the layer's tensors are on the
+    meta device), which returned an uninitialized CPU tensor where eager calls raise (a
+    review)."""
+    for kind, message in pool2.run(_meta_layer_given_a_cpu_input):
+        assert kind == "RuntimeError", message
+        assert "got input on cpu and parameters on meta" in message, message
+
+
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:
     """Rank 0's second local batch is empty (a graph of its own: dynamo specializes size 0),
     while rank 1's runs the graph for dynamic batch sizes (:func:`_batch_dynamic`), as

@@ -79,7 +79,7 @@ def test_a_forward_meeting_a_backward_raises_on_every_rank(
     assert "other ranks of the process group are at SyncBatchNorm layer" in at_forward
     assert "(num_features=3) in backward in the same collective" in at_forward
     assert "SyncBatchNorm layer mismatch in backward" in at_backward
-    assert "(num_features=3) in the same collective" in at_backward  # the others' forward
+    assert "(num_features=3) in forward in the same collective" in at_backward
 
 
 def _check_disabled(rank: int, world_size: int) -> tuple[str, str]:

@@ -499,17 +499,20 @@ def _fail_forward_fake(
 ) -> torch.Tensor:
     """The op while tracing (fake tensors), or on the meta device.
 
-    Real tensors reach this kernel too, where one of them is on the meta device (a mask
-    there, for a layer on the CPU): the dispatcher then picks the Meta kernel, which this
-    is. Those must raise as the implementation does, on every rank, not return an
-    uninitialized output. Where the layer's own tensors are on the meta device, this is
-    shape propagation, as before.
+    Real tensors reach this kernel too, where some of them are on the meta device (a mask
+    there for a layer on the CPU, or a layer there given a CPU input): the dispatcher then
+    picks the Meta kernel, which this is. Those must raise as the implementation does,
+    on every rank, not return an uninitialized output. Only where every tensor is on the
+    meta device is this shape propagation.
     """
-    if anchor.device.type != "meta" and not fake_tensor.is_fake(input):
-        return _fail_forward(
-            input, anchor, parameters, mask, order, site, group_name, num_features, eps
-        )
-    return torch.empty_like(input)
+    tensors = [input, anchor, mask, *parameters]
+    if fake_tensor.is_fake(input) or all(
+        tensor is None or tensor.device.type == "meta" for tensor in tensors
+    ):
+        return torch.empty_like(input)
+    return _fail_forward(
+        input, anchor, parameters, mask, order, site, group_name, num_features, eps
+    )
 
 
 #: the ops' schemas, and their run-time and tracing (fake) implementations

@@ -34,6 +34,9 @@ __all__ = ["block_mask", "layer_mask", "masking", "replica_blocks"]
 _state = threading.local()
 #: how many blocks are open in all threads together
 _open_blocks = 0
+#: per thread with a block open, the mask of its innermost one (for a recomputation in
+#: another thread, :meth:`_Remembered.in_autograd_thread`)
+_innermost: dict[int, Any] = {}
 _open_blocks_lock = threading.Lock()
 _UNSET: Any = object()
 #: the attribute of a layer that remembers the block mask of its latest eager call
@@ -114,20 +117,27 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         self._previous = getattr(_state, "mask", _UNSET)
         _state.mask = self._mask
         if not is_tracing():  # a block opened in compiled code counts for its own thread only
-            _count_open_blocks(1)
+            _count_open_blocks(1, self._mask)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         _state.mask = self._previous  # not `del`: dynamo traces an assignment only
-        self._previous = _UNSET
         if not is_tracing():
-            _count_open_blocks(-1)
+            _count_open_blocks(-1, self._previous)
+        self._previous = _UNSET
 
 
-def _count_open_blocks(change: int) -> None:
+def _count_open_blocks(change: int, innermost: Any) -> None:
+    """Count a block opened (``change`` 1) or closed (-1) in this thread, whose innermost
+    block's mask is then ``innermost`` (``_UNSET`` where none is left open)."""
     global _open_blocks
+    thread = threading.get_ident()
     with _open_blocks_lock:
         _open_blocks += change
+        if innermost is _UNSET:
+            _innermost.pop(thread, None)
+        else:
+            _innermost[thread] = innermost
 
 
 def block_mask(input: torch.Tensor) -> torch.Tensor | None:
@@ -244,20 +254,25 @@ class _Remembered:
 
     def in_autograd_thread(self) -> torch.Tensor | None:
         """The remembered mask, for a recomputation in another thread than the forward's,
-        which has no block of its own, while a block is still open and the mask alive; else
-        ``None``.
+        which has no block of its own, where the forward's thread still has that mask's
+        block innermost; else ``None`` (the recomputation then raises, as before).
 
         On CUDA, autograd runs a backward, and the forwards that checkpointing recomputes
         in it, in a thread of its own per device: the block that the forward's thread
         holds open around ``backward()`` is not that thread's (on the CPU the calling
-        thread runs the backward, and finds the block itself). As torch's checkpointing
-        restores the forward's autocast state, the recomputation takes the forward's mask.
+        thread runs the backward, and finds the block itself). The recomputation takes
+        the block that the forward's thread has open, as the CPU's takes the calling
+        thread's, but only where it is the block of the layer's latest call: a layer called
+        again in another block since has forgotten which mask this forward took.
         """
-        if self._thread == threading.get_ident() or not _open_blocks:
+        if self._thread == threading.get_ident():
             return None
         if getattr(_state, "mask", _UNSET) is not _UNSET:
             return None  # the thread has a block of its own: checked as any recomputation
-        return self._reference()
+        mask = self._reference()
+        with _open_blocks_lock:
+            open_there = _innermost.get(self._thread, _UNSET)
+        return mask if mask is not None and open_there is mask else None
 
     def matches(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is the remembered one, or one of its shape on its device (its

@@ -150,8 +150,9 @@ def fingerprint(layer_name: str, num_features: int) -> int:
     return value
 
 
-def _others_layer(header: Header, world_size: int, own: int) -> str:
-    """Where the other ranks are, when they all agree and this process knows that layer."""
+def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> str:
+    """Where the other ranks are, when they all agree and this process knows that layer
+    (``forward``: whether this rank is in a forward; a backward rank names a forward)."""
     others = world_size - 1
     rest, square_rest = header.fingerprint_sum - own, header.fingerprint_square_sum - own * own
     if others >= 1 and rest == square_rest == 0:
@@ -159,10 +160,12 @@ def _others_layer(header: Header, world_size: int, own: int) -> str:
     if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
         return "a different layer"
     # a copy: another thread may register a fingerprint meanwhile
-    names = sorted(set(_fingerprinted.get(int(rest / others), ())))
+    value = int(rest / others)
+    names = sorted(set(_fingerprinted.get(value, ())))
     if not names:
         return "a different layer"
-    return f"SyncBatchNorm layer {' or '.join(names)}"
+    where = " in forward" if not forward and value <= _BACKWARD_OFFSET else ""
+    return f"SyncBatchNorm layer {' or '.join(names)}{where}"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -489,7 +492,7 @@ class HeaderCheck(NamedTuple):
             or header.fingerprint_square_sum != self.world_size * own * own
             or header.trailer_sum != self.world_size * own
         ):
-            others = _others_layer(header, self.world_size, own)
+            others = _others_layer(header, self.world_size, own, self.phase == "forward")
             return RuntimeError(
                 f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at "
                 f"{self.layer.describe()}, "
