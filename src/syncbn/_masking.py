@@ -72,8 +72,9 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         takes the mask of the block open then: call ``backward`` inside the block (or
         open it inside the checkpointed function). Where autograd recomputes it in a
         thread of its own (on CUDA, each device's backward runs in one), that thread has
-        no block, and the forward's mask is taken while the block is still open in the
-        forward's thread. A recomputation that finds no block
+        no block: the forward's mask is taken while its block is still the innermost one
+        of the forward's thread and the layer has not been called in another block since
+        (else it raises). A recomputation that finds no block
         where the layer's latest forward had one, a block where it had none, or a mask
         of another shape or device, raises a ``RuntimeError``; a mask of the same shape
         is taken as the forward's (its values are not read back from the device).

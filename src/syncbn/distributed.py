@@ -42,6 +42,7 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
 
     Raises:
         RuntimeError: if ``group`` is given but does not contain this rank.
+        TypeError: if ``group`` is not a process group (:func:`check_process_group`).
     """
     if not is_distributed():
         check_process_group(group)
