@@ -242,3 +242,48 @@ def test_a_training_call_on_the_meta_device_infers_batchnorms_shapes(
     for _ in range(2):  # the second call inspects the first's deferred checks
         real(torch.randn(4, 3, 5, 6), torch.rand(4, 5, 6) < 0.5).sum().backward()
     _protocol.raise_deferred(wait=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout"),
+    [((1, 2, 2**19), "contiguous"), ((1, 2, 64, 64, 64), "channels_last"), ((2**19, 2), "rows")],
+)
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_float32_sums_of_many_values_per_channel_stay_accurate(
+    shape: tuple[int, ...], layout: str, masked: bool
+) -> None:
+    """The CPU's batch-norm reductions accumulate float32 sequentially per channel (a plane
+    in 16 vector lanes, rows in one): with 2**19 values per channel on a rank the output
+    and input gradient were 5e-6 (a plane) to 1e-4 (rows) off, torch's BatchNorm (float64
+    statistics) 2e-7 (a review of 3-D volumes, 2026-12-06). Split into chunks, summed in
+    float64: within 1e-6, relative to the largest value."""
+    generator = torch.Generator().manual_seed(0)
+    exact = torch.randn(*shape, generator=generator, dtype=torch.float64) * 2 + 1
+    grad = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    x = exact.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    x.requires_grad_()
+    options = _autograd.TrainOptions(_autograd.LocalReducer(), _autograd.LayerInfo("chunks", 2))
+    running_var = torch.ones(2)
+    mask = torch.ones((shape[0], *shape[2:]), dtype=torch.bool) if masked else None
+    output = _autograd.sync_batch_norm_train(
+        x, None, None, options, running_var=running_var, running_mean=torch.zeros(2), mask=mask
+    )
+    output.backward(grad.float())
+    reference_layer = nn.BatchNorm3d(2) if len(shape) == 5 else nn.BatchNorm1d(2)
+    reference_layer = reference_layer.double().requires_grad_(False)
+    exact.requires_grad_()
+    expected = reference_layer(exact)
+    expected.backward(grad)
+
+    def error(got: torch.Tensor, want: torch.Tensor | None) -> float:
+        assert want is not None
+        want = want.detach()
+        return float((got.detach().double() - want).abs().max() / want.abs().max())
+
+    assert x.grad is not None
+    assert error(output, expected) < 1e-6
+    assert error(x.grad, exact.grad) < 1e-6
+    # the running variance moved by 0.1 of the batch's unbiased variance (about 4)
+    assert error(running_var, reference_layer.running_var) < 1e-6

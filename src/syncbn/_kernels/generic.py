@@ -473,15 +473,89 @@ def shifted_sums(
     return shifted_sum, shifted_square_sum, shift.view(-1), centered, count
 
 
+#: the values of one channel and sample (a plane) beyond which :func:`_in_chunks` splits it,
+#: and the rows of ``(N, C)`` or channels-last data beyond which it splits them (the CPU's
+#: kernel sums a plane in 16 vector lanes, but each channel of rows in one accumulator)
+_PLANE_LIMIT, _ROWS_LIMIT = 65536, 16384
+#: the largest chunks, of a plane and of rows
+_PLANE_CHUNK, _ROWS_CHUNK = 16384, 4096
+
+
+class _Chunks(NamedTuple):
+    """A tensor viewed so that each channel's values are ``pieces`` channels of the view."""
+
+    view: torch.Tensor
+    pieces: int
+    rows: bool  # the view's channels are (chunk, channel), else (channel, chunk)
+
+    def per_channel(self, values: torch.Tensor) -> torch.Tensor:
+        """``(C,)`` sums of the view's ``(C * pieces,)`` per-channel sums, added in float64."""
+        if self.pieces == 1:
+            return values
+        shape = (self.pieces, -1) if self.rows else (-1, self.pieces)
+        summed = values.view(shape).sum(0 if self.rows else 1, dtype=torch.float64)
+        return summed.to(values.dtype)
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """A ``(C,)`` vector for the view's ``(C * pieces,)`` channels."""
+        if self.pieces == 1:
+            return values
+        return values.repeat(self.pieces) if self.rows else values.repeat_interleave(self.pieces)
+
+
+def _in_chunks(x: torch.Tensor) -> _Chunks:
+    """``x`` viewed with each channel split into chunks: planes of more than
+    :data:`_PLANE_LIMIT` values (contiguous data), or more than :data:`_ROWS_LIMIT` rows
+    (``(N, C)``, channels last), in chunks of at most :data:`_PLANE_CHUNK` values or
+    :data:`_ROWS_CHUNK` rows; on the CPU only.
+
+    The CPU's batch-norm reductions accumulate float32 in float32, sequentially per
+    channel, so their error grows with the values per channel: a ``(1, 2, 128, 128, 128)``
+    volume's output was 5e-5 off, torch's BatchNorm (which accumulates its statistics in
+    float64) 6e-8 (a review, 2026-12-06). Chunks cut each accumulation short; their sums
+    are added in float64. Elsewhere (CUDA reduces in a tree), for float64, or for layouts
+    and sizes that do not split evenly, the tensor as it is.
+    """
+    unchanged = _Chunks(x, 1, False)
+    if x.device.type != "cpu" or x.dtype == torch.float64 or x.dim() < 2 or x.numel() == 0:
+        return unchanged
+    channels = x.shape[1]
+    rows = None  # rows of C values in memory: (N, C), or channels last
+    if x.dim() == 2:
+        rows = x if x.is_contiguous() else None
+    elif not x.is_contiguous() and x.is_contiguous(memory_format=_dense_last(x)):
+        rows = x.permute(*reversed(_CHANNELS_LAST_ORDER[x.dim()]))
+    if rows is None and not x.is_contiguous():
+        return unchanged
+    length = x.numel() // channels if rows is not None else x[0, 0].numel()
+    limit, chunk = (_ROWS_LIMIT, _ROWS_CHUNK) if rows is not None else (_PLANE_LIMIT, _PLANE_CHUNK)
+    if length <= limit:
+        return unchanged
+    smallest = -(-length // chunk)
+    count = next((k for k in range(smallest, 4 * smallest) if length % k == 0), None)
+    if count is None:
+        return unchanged
+    if rows is not None:  # viewed as rows of pieces * C values
+        return _Chunks(rows.view(-1, count * channels), count, True)
+    return _Chunks(x.view(x.shape[0], channels * count, length // count), count, False)
+
+
+def _dense_last(x: torch.Tensor) -> torch.memory_format:
+    """The channels-last memory format of ``x``'s rank (4 or 5; contiguous otherwise)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return formats.get(x.dim(), torch.contiguous_format)
+
+
 def _sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel sum and sum of squares of ``centered``, in one pass of
-    ``native_batch_norm_backward`` (see :func:`local_moments`)."""
-    zeros, ones, empty = constants(centered.shape[1], shift.dtype, shift.device)
+    ``native_batch_norm_backward`` (see :func:`local_moments`), over :func:`_in_chunks`."""
+    chunks = _in_chunks(centered)
+    zeros, ones, empty = constants(chunks.view.shape[1], shift.dtype, shift.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, shifted_square_sum, shifted_sum = torch.ops.aten.native_batch_norm_backward(
-        centered, centered, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
+        chunks.view, chunks.view, ones, zeros, ones, empty, empty, False, 0.0, [False, True, True]
     )
-    return shifted_sum, shifted_square_sum
+    return chunks.per_channel(shifted_sum), chunks.per_channel(shifted_square_sum)
 
 
 def output_offset(
@@ -598,12 +672,18 @@ def backward_reduce(
     # low precision: data whose statistics dtype is wider than its own
     if grad_output.device.type != "cpu" and stat_dtype(grad_output.dtype) != grad_output.dtype:
         grad_output, input = grad_output.to(mean.dtype), input.to(mean.dtype)
+    chunks = _in_chunks(input)
+    if chunks.pieces > 1 and grad_output.stride() == input.stride():
+        grad_output, input = _in_chunks(grad_output).view, chunks.view
+        mean, var = chunks.spread(mean), chunks.spread(var)
+    else:
+        chunks = _Chunks(input, 1, False)
     _, ones, empty = constants(mean.numel(), mean.dtype, mean.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, input, ones, mean, var, empty, empty, False, eps, [False, True, True]
     )
-    return sum_dy, sum_dy_xhat
+    return chunks.per_channel(sum_dy), chunks.per_channel(sum_dy_xhat)
 
 
 def input_grad(
