@@ -527,7 +527,8 @@ def _in_chunks(x: torch.Tensor) -> _Chunks:
         rows = x.permute(*reversed(_CHANNELS_LAST_ORDER[x.dim()]))
     if rows is None and not x.is_contiguous():
         return unchanged
-    length = x.numel() // channels if rows is not None else x[0, 0].numel()
+    # (sizes only: indexing would cost every call two aten calls)
+    length = x.numel() // channels if rows is not None else math.prod(x.shape[2:])
     limit, chunk = (_ROWS_LIMIT, _ROWS_CHUNK) if rows is not None else (_PLANE_LIMIT, _PLANE_CHUNK)
     if length <= limit:
         return unchanged
@@ -673,11 +674,13 @@ def backward_reduce(
     if grad_output.device.type != "cpu" and stat_dtype(grad_output.dtype) != grad_output.dtype:
         grad_output, input = grad_output.to(mean.dtype), input.to(mean.dtype)
     chunks = _in_chunks(input)
-    if chunks.pieces > 1 and grad_output.stride() == input.stride():
-        grad_output, input = _in_chunks(grad_output).view, chunks.view
-        mean, var = chunks.spread(mean), chunks.spread(var)
-    else:
-        chunks = _Chunks(input, 1, False)
+    if chunks.pieces > 1:
+        grad_chunks = _in_chunks(grad_output)
+        if grad_chunks[1:] == chunks[1:] and grad_output.stride() == input.stride():
+            grad_output, input = grad_chunks.view, chunks.view
+            mean, var = chunks.spread(mean), chunks.spread(var)
+        else:  # (layouts that differ are summed whole)
+            chunks = _Chunks(input, 1, False)
     _, ones, empty = constants(mean.numel(), mean.dtype, mean.device)
     # weight 1, not None: CUDA's kernel needs a weight to return the weight gradient
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
