@@ -519,14 +519,15 @@ def _in_chunks(x: torch.Tensor) -> _Chunks:
     unchanged = _Chunks(x, 1, False)
     if x.device.type != "cpu" or x.dtype == torch.float64 or x.dim() < 2 or x.numel() == 0:
         return unchanged
+    format = dense_format(x)
+    if format is None:
+        return unchanged
     channels = x.shape[1]
     rows = None  # rows of C values in memory: (N, C), or channels last
     if x.dim() == 2:
-        rows = x if x.is_contiguous() else None
-    elif not x.is_contiguous() and x.is_contiguous(memory_format=_dense_last(x)):
+        rows = x
+    elif format is not torch.contiguous_format:
         rows = x.permute(*reversed(_CHANNELS_LAST_ORDER[x.dim()]))
-    if rows is None and not x.is_contiguous():
-        return unchanged
     # (sizes only: indexing would cost every call two aten calls)
     length = x.numel() // channels if rows is not None else math.prod(x.shape[2:])
     limit, chunk = (_ROWS_LIMIT, _ROWS_CHUNK) if rows is not None else (_PLANE_LIMIT, _PLANE_CHUNK)
@@ -539,12 +540,6 @@ def _in_chunks(x: torch.Tensor) -> _Chunks:
     if rows is not None:  # viewed as rows of pieces * C values
         return _Chunks(rows.view(-1, count * channels), count, True)
     return _Chunks(x.view(x.shape[0], channels * count, length // count), count, False)
-
-
-def _dense_last(x: torch.Tensor) -> torch.memory_format:
-    """The channels-last memory format of ``x``'s rank (4 or 5; contiguous otherwise)."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    return formats.get(x.dim(), torch.contiguous_format)
 
 
 def _sums(centered: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
