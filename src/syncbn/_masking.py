@@ -32,12 +32,11 @@ __all__ = ["block_mask", "layer_mask", "masking", "replica_blocks"]
 #: the mask of the innermost open block of each thread (a tensor, or ``None`` for a
 #: ``masking(None)`` block); unset, or ``_UNSET``, in a thread with no block open
 _state = threading.local()
-#: how many blocks are open in all threads together
-_open_blocks = 0
-#: per thread with a block open, the mask of its innermost one (for a recomputation in
-#: another thread, :meth:`_Remembered.in_autograd_thread`)
+#: per thread with a block open (outside compiled code), the mask of its innermost one:
+#: empty where no block is open in any thread; read by other threads (a layer called in
+#: one without a block, a recomputation in autograd's: :meth:`_Remembered.in_autograd_thread`)
 _innermost: dict[int, Any] = {}
-_open_blocks_lock = threading.Lock()
+_innermost_lock = threading.Lock()
 _UNSET: Any = object()
 #: the attribute of a layer that remembers the block mask of its latest eager call
 _REMEMBERED = "_syncbn_block_mask"
@@ -118,23 +117,21 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
         self._previous = getattr(_state, "mask", _UNSET)
         _state.mask = self._mask
         if not is_tracing():  # a block opened in compiled code counts for its own thread only
-            _count_open_blocks(1, self._mask)
+            _note_innermost(self._mask)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         _state.mask = self._previous  # not `del`: dynamo traces an assignment only
         if not is_tracing():
-            _count_open_blocks(-1, self._previous)
+            _note_innermost(self._previous)
         self._previous = _UNSET
 
 
-def _count_open_blocks(change: int, innermost: Any) -> None:
-    """Count a block opened (``change`` 1) or closed (-1) in this thread, whose innermost
-    block's mask is then ``innermost`` (``_UNSET`` where none is left open)."""
-    global _open_blocks
+def _note_innermost(innermost: Any) -> None:
+    """Record this thread's innermost block's mask after a block opened or closed
+    (``_UNSET`` where none is left open)."""
     thread = threading.get_ident()
-    with _open_blocks_lock:
-        _open_blocks += change
+    with _innermost_lock:
         if innermost is _UNSET:
             _innermost.pop(thread, None)
         else:
@@ -151,7 +148,7 @@ def block_mask(input: torch.Tensor) -> torch.Tensor | None:
         return mask.of(input)
     if mask is not _UNSET:
         return mask  # type: ignore[no-any-return]
-    if _open_blocks:
+    if _innermost:  # a block open in another thread
         raise RuntimeError(
             "a syncbn.masking block is open in another thread, and this SyncBatchNorm layer, "
             "called without a mask in a thread with no block of its own, would run unmasked "
@@ -197,7 +194,7 @@ def layer_mask(layer: torch.nn.Module, input: torch.Tensor, compiling: bool) -> 
             )
         return mask
     remembered = layer.__dict__.get(_REMEMBERED)
-    if not _open_blocks and remembered is None:
+    if not _innermost and remembered is None:
         return None
     if remembered is not None and is_recomputing():
         if remembered.share is not None:
@@ -271,7 +268,7 @@ class _Remembered:
         if getattr(_state, "mask", _UNSET) is not _UNSET:
             return None  # the thread has a block of its own: checked as any recomputation
         mask = self._reference()
-        with _open_blocks_lock:
+        with _innermost_lock:
             open_there = _innermost.get(self._thread, _UNSET)
         return mask if mask is not None and open_there is mask else None
 
