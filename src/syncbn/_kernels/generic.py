@@ -517,7 +517,9 @@ def _in_chunks(x: torch.Tensor) -> _Chunks:
     and sizes that do not split evenly, the tensor as it is.
     """
     unchanged = _Chunks(x, 1, False)
-    if x.device.type != "cpu" or x.dtype == torch.float64 or x.dim() < 2 or x.numel() == 0:
+    if x.dim() < 2 or x.numel() <= x.shape[1] * _ROWS_LIMIT:  # no channel holds that many
+        return unchanged
+    if x.device.type != "cpu" or x.dtype == torch.float64:
         return unchanged
     format = dense_format(x)
     if format is None:
