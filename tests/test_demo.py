@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -109,13 +110,27 @@ def test_failure_in_one_rank_stops_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / RESULTS_FILE).exists()
 
 
-def _read_until(fd: int, output: bytearray, done: object, timeout: float, what: str) -> None:
-    """Append what ``fd`` yields to ``output`` until ``done(output)``, EOF or the timeout."""
+def _read_until(
+    fd: int,
+    output: bytearray,
+    done: object,
+    timeout: float,
+    what: str,
+    describe: Callable[[], str] | None = None,
+) -> None:
+    """Append what ``fd`` yields to ``output`` until ``done(output)``, EOF or the timeout.
+
+    At the timeout the test fails with the output's end, and with ``describe()`` (what the
+    processes were doing) where given."""
     deadline = time.monotonic() + timeout
     while not done(output):  # type: ignore[operator]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; got {bytes(output)!r}")
+            state = "" if describe is None else f"\n{describe()}"
+            pytest.fail(
+                f"timed out after {timeout:.0f}s waiting for {what}; "
+                f"output ended with {bytes(output[-2000:])!r}{state}"
+            )
         if select.select([fd], [], [], min(remaining, 0.5))[0]:
             try:
                 chunk = os.read(fd, 65536)
@@ -124,6 +139,39 @@ def _read_until(fd: int, output: bytearray, done: object, timeout: float, what: 
             if not chunk:
                 return
             output += chunk
+
+
+def _drain(fd: int, output: bytearray, seconds: float, until: bytes | None = None) -> None:
+    """Append what ``fd`` yields to ``output`` for ``seconds`` (or until ``until`` appears)."""
+    deadline = time.monotonic() + seconds
+    while until is None or until not in output:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            return
+        if not chunk:
+            return
+        output += chunk
+
+
+_SIGNAL_FIELDS = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+
+
+def _signal_state(pids: list[int]) -> str:
+    """Each process's state and signal masks, from ``/proc/PID/status`` (a failure's report)."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as file:
+                fields = dict(line.split(":", 1) for line in file.read().splitlines())
+        except FileNotFoundError:
+            lines.append(f"pid {pid}: gone")
+            continue
+        lines.append(f"pid {pid}: " + ", ".join(f"{k} {fields[k].strip()}" for k in _SIGNAL_FIELDS))
+    return "\n".join(lines)
 
 
 def _killed_with_this_process() -> None:
@@ -151,8 +199,14 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     controller, terminal = pty.openpty()
     # a terminal 120 columns wide (a new pty has 0, and tqdm then draws an empty bar)
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    # `python -m syncbn demo`, with a dump of every thread's Python stack on SIGUSR1, which
+    # the test sends if the demo outlives the Ctrl-C (what it waited on, in the failure)
+    command = (
+        "import faulthandler, signal, sys; from syncbn._cli import main; "
+        "faulthandler.register(signal.SIGUSR1, all_threads=True); sys.exit(main())"
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "syncbn", "demo", "--steps", "1000000", "--out", str(tmp_path)],
+        [sys.executable, "-c", command, "demo", "--steps", "1000000", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=terminal,
         start_new_session=True,  # its own process group, so that cleanup can kill it whole
@@ -173,7 +227,17 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         ranks = _rank_processes(process.pid)
         assert len(ranks) == 2
         os.kill(process.pid, signal.SIGINT)
-        _read_until(controller, err, lambda text: False, 25, "the end of the output")
+
+        def describe() -> str:
+            state = _signal_state([process.pid, *ranks])
+            dump = bytearray()
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGUSR1)
+                _drain(controller, dump, 5.0, until=b"Current thread")
+                _drain(controller, dump, 1.0)  # the rest of the dump
+            return f"{state}\nthe demo's threads:\n{dump.decode(errors='replace')}"
+
+        _read_until(controller, err, lambda text: False, 25, "the end of the output", describe)
         process.wait(timeout=10)
     finally:
         if process.poll() is None:
