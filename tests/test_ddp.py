@@ -295,12 +295,19 @@ _FSDP2_ON_CPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 @pytest.mark.skipif(
     not _FSDP2_ON_CPU, reason="FSDP2 (fully_shard) on the CPU is checked from torch 2.8 on"
 )
-# compiled: uneven local batches only (an empty rank on 3 ranks), where even ones add no
-# graph break nor collective of their own (4-6 s each)
+# compiled: uneven local batches on 3 ranks only, (1, 0, 4) with its empty rank, where even
+# ones add no graph break nor collective of their own and 2 ranks' (3, 1) nothing that
+# these do not (4-6 s each)
 @pytest.mark.parametrize(
-    ("sizes_index", "compiled"),
-    [(0, False), (1, False), (1, True)],
-    ids=["even-eager", "uneven-eager", "uneven-compiled"],
+    ("pool", "sizes_index", "compiled"),
+    [
+        pytest.param(2, 0, False, id="world2-even-eager"),
+        pytest.param(3, 0, False, id="world3-even-eager"),
+        pytest.param(2, 1, False, id="world2-uneven-eager"),
+        pytest.param(3, 1, False, id="world3-uneven-eager"),
+        pytest.param(3, 1, True, id="world3-uneven-compiled"),
+    ],
+    indirect=["pool"],
 )
 def test_fsdp2_training_matches_global_batch(
     pool: WorkerPool, sizes_index: int, compiled: bool
@@ -311,22 +318,34 @@ def test_fsdp2_training_matches_global_batch(
     _assert_bitwise_equal_across_ranks(states)
 
 
+_INDUCTOR = {"compile": "inductor"}
+# 1 KiB buckets, the first 256 bytes: DDPOptimizer splits the graph in 3 or more
+_INDUCTOR_SPLIT = {"compile": "inductor", "bucket_bytes": 1024, "first_bucket_bytes": 256}
+_INDUCTOR_INSIDE_DDP = {"compile": "inductor", "inside_ddp": True}
+_COMPILED_AUTOGRAD = {"compile": "aot_eager", "compiled_autograd": True}
+
+
+# The split graph and compiled autograd on 3 ranks only (5-9 s each on 2): their uneven
+# batches hold those of 2 ranks' case and, for compiled autograd, an empty rank (SIZES)
 @pytest.mark.parametrize(
-    "options",
+    ("pool", "options"),
     [
-        {"compile": "inductor"},
-        # 1 KiB buckets, the first 256 bytes: DDPOptimizer splits the graph in 3 or more
-        {"compile": "inductor", "bucket_bytes": 1024, "first_bucket_bytes": 256},
-        {"compile": "inductor", "inside_ddp": True},
+        pytest.param(2, _INDUCTOR, id="world2-inductor"),
+        pytest.param(3, _INDUCTOR, id="world3-inductor"),
+        pytest.param(3, _INDUCTOR_SPLIT, id="world3-inductor-split"),
+        pytest.param(2, _INDUCTOR_INSIDE_DDP, id="world2-inductor-inside-ddp"),
+        pytest.param(3, _INDUCTOR_INSIDE_DDP, id="world3-inductor-inside-ddp"),
         pytest.param(
-            {"compile": "aot_eager", "compiled_autograd": True},
+            3,
+            _COMPILED_AUTOGRAD,
+            id="world3-compiled-autograd",
             marks=pytest.mark.skipif(
                 not hasattr(torch._dynamo.config, "compiled_autograd"),
                 reason="compiled autograd with DDP's python_reducer needs torch >= 2.4",
             ),
         ),
     ],
-    ids=["inductor", "inductor-split", "inductor-inside-ddp", "compiled-autograd"],
+    indirect=["pool"],
 )
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_compiled_ddp_training_matches_global_batch(
