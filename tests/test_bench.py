@@ -689,3 +689,37 @@ def test_gpu_results_of_every_part_render() -> None:
     assert "| syncbn | default | 2.00 | 0.50 | 0 | 60 | 1.00x |" in text
     failed = results | {"layers": [{"shape": "broken"}]}  # a row without its timings
     assert "Rendering failed (KeyError" in gpu._render_or_say_why(failed)
+
+
+def test_accuracy_benchmark_measures_every_variant(tmp_path: Path) -> None:
+    """benchmarks/accuracy.py --quick: every case's eager variants against float64
+    BatchNorm, syncbn through its synchronized path, written as a table and as JSON.
+
+    It runs in its own process: it initializes (and destroys) a one-rank gloo group.
+    """
+    out = tmp_path / "accuracy.md"
+    command = [sys.executable, str(BENCHMARKS / "accuracy.py"), "--quick", "--out", str(out)]
+    subprocess.run(command, check=True, timeout=120, cwd=tmp_path, capture_output=True)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["machine"]["torch"] == torch.__version__
+    rows = record["rows"]
+    cases = list(dict.fromkeys(row["case"] for row in rows))
+    assert len(cases) >= 5 and "3-D volume" not in cases  # --quick: no 3-D volume
+    for case in cases:
+        variants = {row["variant"]: row for row in rows if row["case"] == case}
+        assert sorted(variants) == ["syncbn eager", "torch eager"], case
+        for row in variants.values():
+            for key in ("output_err", "running_var_err", "grad_err"):
+                assert math.isfinite(row[key]) and row[key] >= 0, (case, row["variant"], key)
+        # syncbn synchronized (one collective each way); torch's layer never does
+        assert variants["syncbn eager"]["collectives"] == 2, case
+        assert variants["torch eager"]["collectives"] == 0, case
+    large_mean = {row["variant"]: row for row in rows if row["case"] == "mean/std = 1e4"}
+    syncbn_row = large_mean["syncbn eager"]
+    assert syncbn_row["output_err"] < 1e-5 and syncbn_row["running_var_err"] < 1e-6
+    assert syncbn_row["grad_err"] < 1e-4
+    # the float32 shift: syncbn's output is closer than torch's, whose mean is rounded
+    assert syncbn_row["output_err"] < large_mean["torch eager"]["output_err"] / 10
+    table = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == len(rows) + 1  # the header and one line per row
+    assert "`python benchmarks/accuracy.py --quick`" in out.read_text()
