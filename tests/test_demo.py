@@ -129,7 +129,8 @@ def _read_until(
             state = "" if describe is None else f"\n{describe()}"
             pytest.fail(
                 f"timed out after {timeout:.0f}s waiting for {what}; "
-                f"output ended with {bytes(output[-2000:])!r}{state}"
+                f"output ended with {bytes(output[-2000:])!r}; its lines other than "
+                f"progress bars: {_not_progress(output)!r}{state}"
             )
         if select.select([fd], [], [], min(remaining, 0.5))[0]:
             try:
@@ -139,6 +140,13 @@ def _read_until(
             if not chunk:
                 return
             output += chunk
+
+
+def _not_progress(output: bytearray) -> list[bytes]:
+    """The lines of a terminal's output that are not tqdm's progress bar (a message that
+    scrolled by among thousands of its redraws: "Exception ignored in ...", say)."""
+    lines = re.split(rb"[\r\n]+", bytes(output))
+    return [line for line in lines if line.strip() and not re.search(rb"\d+/\d+ \[", line)]
 
 
 def _drain(fd: int, output: bytearray, seconds: float, until: bytes | None = None) -> None:
