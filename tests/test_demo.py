@@ -169,16 +169,31 @@ _SIGNAL_FIELDS = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "S
 
 
 def _signal_state(pids: list[int]) -> str:
-    """Each process's state and signal masks, from ``/proc/PID/status`` (a failure's report)."""
+    """Each process's state and signal masks, and each of its threads' name, state, blocked
+    signals and kernel wait channel, from ``/proc`` (a failure's report)."""
+
+    def status(path: str) -> dict[str, str]:
+        with open(f"{path}/status") as file:
+            return {
+                k: v.strip() for k, v in (line.split(":", 1) for line in file.read().splitlines())
+            }
+
     lines = []
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status") as file:
-                fields = dict(line.split(":", 1) for line in file.read().splitlines())
-        except FileNotFoundError:
+            fields = status(f"/proc/{pid}")
+            lines.append(f"pid {pid}: " + ", ".join(f"{k} {fields[k]}" for k in _SIGNAL_FIELDS))
+            for task in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                path = f"/proc/{pid}/task/{task}"
+                with open(f"{path}/wchan") as file:
+                    wchan = file.read()
+                thread = status(path)
+                lines.append(
+                    f"  thread {task} {thread['Name']}: {thread['State']}, "
+                    f"SigBlk {thread['SigBlk']}, wchan {wchan}"
+                )
+        except (FileNotFoundError, ProcessLookupError):
             lines.append(f"pid {pid}: gone")
-            continue
-        lines.append(f"pid {pid}: " + ", ".join(f"{k} {fields[k].strip()}" for k in _SIGNAL_FIELDS))
     return "\n".join(lines)
 
 
