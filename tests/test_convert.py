@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import inspect
 import pickle
 import warnings
+import weakref
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -943,3 +945,26 @@ def test_a_deleted_running_statistic_stays_absent_both_ways() -> None:
     syncbn.revert_sync_batchnorm(model)
     assert type(model[0]) is nn.BatchNorm2d and list(model.state_dict()) == keys
     assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [syncbn.convert_sync_batchnorm, syncbn.revert_sync_batchnorm, convert_model],
+    ids=["convert", "revert", "convert_model"],
+)
+def test_a_converted_model_is_freed_when_its_last_reference_goes(convert: Any) -> None:
+    """No reference cycle holds the result or the original's modules (a recursive walk's
+    closure did: deleted models then lived on until the cyclic collector ran, as GPU memory
+    in a hyper-parameter search that builds and drops models; torch's converter frees them
+    at once)."""
+    original = nn.Sequential(nn.Linear(4, 4), syncbn.SyncBatchNorm(4), nn.BatchNorm1d(4))
+    original.add_module("again", original[1])  # a module held twice
+    gc.collect()
+    gc.disable()
+    try:
+        converted = convert(original)
+        alive = [weakref.ref(module) for module in (*original.modules(), *converted.modules())]
+        del original, converted
+        assert [ref() for ref in alive if ref() is not None] == []
+    finally:
+        gc.enable()

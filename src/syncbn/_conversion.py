@@ -261,16 +261,18 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module, str], nn.Mo
     # id -> (the module, its replacement): the module is kept alive, so that its id is not
     # reused by a module built during the walk
     done: dict[int, tuple[nn.Module, nn.Module]] = {}
-
-    def visit(current: nn.Module, path: str) -> None:
+    # a walk in named_modules' order (depth first, children in order) with a stack of its
+    # own: a recursive closure would hold ``done`` in a reference cycle, which kept the
+    # original and converted models alive after ``del`` until the cyclic collector ran
+    pending: list[tuple[nn.Module, str]] = [(module, "")]
+    while pending:
+        current, path = pending.pop()
         if id(current) in done:
-            return
+            continue
         done[id(current)] = (current, replace(current, path))
-        for name, child in list(current._modules.items()):
-            if child is not None:
-                visit(child, f"{path}.{name}" if path else name)
-
-    visit(module, "")
+        children = [(name, child) for name, child in current._modules.items() if child is not None]
+        for name, child in reversed(children):
+            pending.append((child, f"{path}.{name}" if path else name))
     # the tree changes only once every replacement is built: one that raises (a class that
     # cannot be rebuilt, a converter's error) leaves the model as it was, not half converted
     for current, result in done.values():
