@@ -270,9 +270,8 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module, str], nn.Mo
         if id(current) in done:
             continue
         done[id(current)] = (current, replace(current, path))
-        children = [(name, child) for name, child in current._modules.items() if child is not None]
-        for name, child in reversed(children):
-            pending.append((child, f"{path}.{name}" if path else name))
+        children = [(name, sub) for name, sub in current._modules.items() if sub is not None]
+        pending += [(sub, f"{path}.{name}" if path else name) for name, sub in reversed(children)]
     # the tree changes only once every replacement is built: one that raises (a class that
     # cannot be rebuilt, a converter's error) leaves the model as it was, not half converted
     for current, result in done.values():
