@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
+from syncbn import _compiled
 
 
 class _TwoDirectLayers(nn.Module):
@@ -213,3 +214,11 @@ def test_each_layer_copy_and_move_has_its_own_site_tensor_on_its_device() -> Non
     state = syncbn.SyncBatchNorm(3).state_dict()
     layer.load_state_dict(state, assign=True)
     assert layer._site.device.type == "cpu"
+    # a move keeps the layer's key: the registry does not grow with each move (it did, by
+    # one entry per move for the layer's life: a model offloaded at every step)
+    key, registered = int(layer._site), len(_compiled._sites)
+    for _ in range(10):
+        layer.to("meta")
+        layer.to_empty(device="cpu")
+    assert int(layer._site) == key and len(_compiled._sites) == registered
+    assert _compiled._site(layer._site) is layer

@@ -107,8 +107,12 @@ _site_tensors: weakref.WeakValueDictionary[tuple[torch.device, int], torch.Tenso
 _keys = itertools.count(1)
 
 
-def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
+def site_tensor(site: SyncSite, device: torch.device, key: int | None = None) -> torch.Tensor:
     """A new one-element tensor on ``device`` that names ``site`` to the compiled ops.
+
+    ``key``: the key of the site's tensor on another device, for a layer that moves (one key
+    per layer for its life: a new key per move left one more entry in the registry each
+    time); ``None`` for a new layer or a copy, which take a new key.
 
     The layer keeps it as a plain attribute (not a buffer: no ``state_dict`` entry) and
     passes it to the ops, which find the layer from it at run time (:func:`_site`): dynamo
@@ -121,7 +125,8 @@ def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
     marked as a static input (its address never changes: CUDA graphs use it in place) and
     is never an inference tensor.
     """
-    key = next(_keys)
+    if key is None:
+        key = next(_keys)
     _sites[key] = site
     with torch.inference_mode(False):
         tensor = torch.full((1,), key, dtype=torch.int64, device=device)
@@ -130,6 +135,11 @@ def site_tensor(site: SyncSite, device: torch.device) -> torch.Tensor:
     if device.type != "meta":  # (no storage, no address: never run)
         _site_tensors[tensor.device, tensor.data_ptr()] = tensor
     return tensor
+
+
+def site_key(tensor: torch.Tensor) -> int:
+    """The key that a layer's own site tensor (from :func:`site_tensor`) names it by."""
+    return int(tensor._syncbn_site_key)  # type: ignore[attr-defined]
 
 
 def _known_key(tensor: torch.Tensor) -> int | None:

@@ -260,7 +260,8 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         else:
             device = torch.device("cpu") if site is None else site.device
         if site is None or site.device != device:
-            self._site = _compiled.site_tensor(self, device)
+            key = None if site is None else _compiled.site_key(site)
+            self._site = _compiled.site_tensor(self, device, key)
         if device.type != "meta" and _compiled.FULLGRAPH:
             _compiled.prepare_order_token(device)
 
