@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from syncbn._autograd import LayerInfo, TrainOptions, reducer_for
-from syncbn._protocol import CHECK_MODES, fingerprint
+from syncbn._protocol import CHECK_MODES, register_layer
 
 __all__ = ["LayerIdentity"]
 
@@ -88,7 +88,7 @@ class LayerIdentity:
     def layer_name(self, name: str) -> None:
         self._layer_name = name
         # known to this process from now on: a mismatch error can name it as the other side
-        fingerprint(self.layer_identity, self.num_features)
+        register_layer(self.layer_identity, self.num_features)
 
     @property
     def layer_identity(self) -> str:

@@ -84,6 +84,7 @@ __all__ = [
     "raise_deferred",
     "read_header",
     "refuse_during_capture",
+    "register_layer",
     "resolve_check_mode",
 ]
 
@@ -128,26 +129,53 @@ def backward_fingerprint(fingerprint: int, phase: str = "backward") -> int:
     return fingerprint + offset
 
 
-#: fingerprint -> descriptions of the layers of this process that have it, to name the
-#: layer that other ranks are at when the fingerprints of a collective disagree
-_fingerprinted: dict[int, set[str]] = {}
+#: the layers of this process, ``'name' (num_features=C)``, by their fingerprints, to name
+#: the layer that other ranks are at when the fingerprints of a collective disagree: the
+#: ``_MAX_DESCRIBED`` registered last (a process that builds layers without end, a
+#: hyper-parameter search, keeps no more: each ``"#k"`` layer built added its own for good)
+_described: collections.OrderedDict[str, int] = collections.OrderedDict()
+_MAX_DESCRIBED = 4096
+_described_lock = threading.Lock()
+#: the directions a backward fingerprint names, as :func:`_layers_with_fingerprint` says them
+_BACKWARD_PHASES = (("backward", "in backward"), (COMPILED_BACKWARD, "in a compiled backward"))
 
 
 @functools.lru_cache(maxsize=4096)
 def fingerprint(layer_name: str, num_features: int) -> int:
     """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
     value = zlib.crc32(f"{layer_name}|{num_features}".encode()) % _BACKWARD_OFFSET + 1
-    name = repr(layer_name) if layer_name else "<unnamed>"
-    described = f"{name} (num_features={num_features})"
-    _fingerprinted.setdefault(value, set()).add(described)
-    for phase, where in (
-        ("backward", "in backward"),
-        (COMPILED_BACKWARD, "in a compiled backward"),
-    ):
-        _fingerprinted.setdefault(backward_fingerprint(value, phase), set()).add(
-            f"{described} {where}"
-        )
+    _describe(layer_name, num_features, value)
     return value
+
+
+def register_layer(layer_name: str, num_features: int) -> None:
+    """Make a layer of this process known by its fingerprint, for the mismatch errors of
+    other layers (a layer is registered when built or renamed, before its first call)."""
+    _describe(layer_name, num_features, fingerprint(layer_name, num_features))
+
+
+def _describe(layer_name: str, num_features: int, value: int) -> None:
+    name = repr(layer_name) if layer_name else "<unnamed>"
+    description = f"{name} (num_features={num_features})"
+    with _described_lock:
+        _described[description] = value
+        _described.move_to_end(description)
+        while len(_described) > _MAX_DESCRIBED:
+            _described.popitem(last=False)
+
+
+def _layers_with_fingerprint(value: int) -> list[str]:
+    """The registered layers whose forward or backward buffers carry ``value``, described."""
+    with _described_lock:
+        described = list(_described.items())
+    names = set()
+    for description, forward in described:
+        if forward == value:
+            names.add(description)
+        for phase, where in _BACKWARD_PHASES:
+            if backward_fingerprint(forward, phase) == value:
+                names.add(f"{description} {where}")
+    return sorted(names)
 
 
 def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> str:
@@ -159,9 +187,8 @@ def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> s
         return "a layer whose check_layer_order is False (no fingerprint)"
     if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
         return "a different layer"
-    # a copy: another thread may register a fingerprint meanwhile
     value = int(rest / others)
-    names = sorted(set(_fingerprinted.get(value, ())))
+    names = _layers_with_fingerprint(value)
     if not names:
         return "a different layer"
     where = " in forward" if not forward and value <= _BACKWARD_OFFSET else ""
