@@ -119,6 +119,14 @@ def test_blocks_nest_a_passed_mask_wins_and_masking_none_unmasks() -> None:
         assert torch.equal(layer(x), with_outer)  # the outer block again
         with syncbn.masking(None):
             assert torch.equal(layer(x), unmasked)
+        # one instance entered again inside its own block: closing both restores the outer
+        # block (a single saved state restored none: the layer then ran unmasked)
+        block = syncbn.masking(inner)
+        with block:
+            with block:
+                assert torch.equal(layer(x), with_inner)
+            assert torch.equal(layer(x), with_inner)
+        assert torch.equal(layer(x), with_outer)
     assert torch.equal(layer(x), unmasked)  # every block closed
 
 

@@ -111,20 +111,22 @@ class masking:  # noqa: N801 - used like a function: `with syncbn.masking(mask):
                 f"got {type(mask).__name__}"
             )
         self._mask: torch.Tensor | _ReplicaShare | None = mask
-        self._previous: Any = _UNSET
+        # what each open block of this instance replaced, innermost last: an instance
+        # entered again inside its own block restores the outer state when both close
+        self._previous: list[Any] = []
 
     def __enter__(self) -> masking:
-        self._previous = getattr(_state, "mask", _UNSET)
+        self._previous.append(getattr(_state, "mask", _UNSET))
         _state.mask = self._mask
         if not is_tracing():  # a block opened in compiled code counts for its own thread only
             _note_innermost(self._mask)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _state.mask = self._previous  # not `del`: dynamo traces an assignment only
+        previous = self._previous.pop()
+        _state.mask = previous  # not `del`: dynamo traces an assignment only
         if not is_tracing():
-            _note_innermost(self._previous)
-        self._previous = _UNSET
+            _note_innermost(previous)
 
 
 def _note_innermost(innermost: Any) -> None:
