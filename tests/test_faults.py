@@ -641,3 +641,22 @@ def test_deferred_checks_are_each_inspected_once_by_concurrent_threads(
     assert not errors, errors
     assert seen == collections.Counter(range(40)), seen
     assert not _protocol._pending
+
+
+def test_an_accelerators_forward_count_is_no_cached_constant() -> None:
+    """Off the CPU (the meta device stands in for an accelerator here) a forward buffer
+    takes its count as a tensor filled on the device, and the cached heads are the layer's
+    alone: a head per count cost a copy through pinned memory and a host wait on CUDA at
+    each new count (batches of varying size), and crowded the heads out of the cache. On
+    the CPU the count stays in the cached head (no extra op)."""
+    sums = torch.zeros(3, dtype=torch.float64, device="meta")
+    fingerprint = _protocol.fingerprint("counts", 3)
+    _protocol.pack_forward(7, sums, sums, fingerprint)  # the layer's count-free head
+    cached = _protocol._buffer_ends.cache_info().currsize
+    for count in range(100, 150):
+        buffer = _protocol.pack_forward(count, sums, sums, fingerprint)
+        assert buffer.shape == (_protocol.forward_size(3),) and buffer.device.type == "meta"
+    assert _protocol._buffer_ends.cache_info().currsize == cached
+    cpu = torch.arange(3, dtype=torch.float64)
+    assert _protocol.count_slot(_protocol.pack_forward(9, cpu, cpu, fingerprint)).item() == 9
+    assert _protocol._buffer_ends.cache_info().currsize == cached + 1

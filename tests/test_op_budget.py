@@ -12,25 +12,26 @@ kernels): forward 42 / 34 and backward 15 / 10 unmasked; forward 57 / 40 and bac
 16 masked, its valid count read back to the host and its first position found valid (no
 search), as a CPU call with immediate checks does (60 / 42 where it searches); with the
 checks deferred, as on accelerators, forward 55 / 39 and backward 15 / 10 unmasked, 78 / 49
-and 27 / 16 masked (the count and position stay on the device); bfloat16 input with float32
-parameters, forward 41 / 33 and backward 18 / 13 (its output is an eval-mode ``batch_norm``,
-which takes no offset; its input gradient is summed in float32 and rounded once, as torch's:
-the input and output gradient converted to float32 and the result back, where one conversion
-of the scale to bfloat16 rounded it twice, 16 / 11 before 2026-12-06). A host read
-(``_local_scalar_dense``) counts as a kernel. Kernels are budgeted 1 over these counts,
-calls 2 over (torch 2.1-2.7 count 1 more in one direction or the other). The shift of the
-local sums, a median of 9 values (``sample_shift``: two ``minimum``, two ``maximum`` and two
-``clamp``, and their views), costs 8 calls and 6 kernels forward (11 / 7 masked, which first
-replaces the padded ones); it was one strided view of the first value before, which an
-outlier made cancel. Before: a no-op view of the shift, views and selects that one
-``as_strided`` or ``split_with_sizes`` now replaces, and a ``detach`` outside grad mode (4
-calls forward, 1 backward); the output's offset computed for low-precision calls too (2
-kernels); masked CPU calls keeping the count and position on the device (58 / 37); the mask
-converted to integer words and to floats before the passes that take it (61 / 40); the per-
-channel maths before they were regrouped (deferred 51 / 39 and 17 / 13). One stack instead
-of two for the per-channel conversions would save 2 kernels more, but ``saved`` would then
-be a view that keeps the other rows alive for backward (tests/test_collectives.py: no more
-saved than BatchNorm).
+and 27 / 16 masked (the count and position stay on the device; on an accelerator an unmasked
+forward fills its count on the device, 1 kernel more: ``_protocol.pack_forward``); bfloat16
+input with float32 parameters, forward 41 / 33 and backward 18 / 13 (its output is an
+eval-mode ``batch_norm``, which takes no offset; its input gradient is summed in float32 and
+rounded once, as torch's: the input and output gradient converted to float32 and the result
+back, where one conversion of the scale to bfloat16 rounded it twice, 16 / 11 before
+2026-12-06). A host read (``_local_scalar_dense``) counts as a kernel. Kernels are budgeted
+1 over these counts, calls 2 over (torch 2.1-2.7 count 1 more in one direction or the
+other). The shift of the local sums, a median of 9 values (``sample_shift``: two
+``minimum``, two ``maximum`` and two ``clamp``, and their views), costs 8 calls and 6
+kernels forward (11 / 7 masked, which first replaces the padded ones); it was one strided
+view of the first value before, which an outlier made cancel. Before: a no-op view of the
+shift, views and selects that one ``as_strided`` or ``split_with_sizes`` now replaces, and a
+``detach`` outside grad mode (4 calls forward, 1 backward); the output's offset computed for
+low-precision calls too (2 kernels); masked CPU calls keeping the count and position on the
+device (58 / 37); the mask converted to integer words and to floats before the passes that
+take it (61 / 40); the per-channel maths before they were regrouped (deferred 51 / 39 and 17
+/ 13). One stack instead of two for the per-channel conversions would save 2 kernels more,
+but ``saved`` would then be a view that keeps the other rows alive for backward
+(tests/test_collectives.py: no more saved than BatchNorm).
 
 Under ``torch.compile`` the maths are fused into the graph's kernels, and what each call
 still issues on its own is the body of the ``syncbn::`` ops (:mod:`syncbn._compiled`):

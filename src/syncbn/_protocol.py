@@ -224,7 +224,15 @@ def pack_forward(
     The sums per channel equal ``n * mean`` and ``n * (var + mean**2)``. The count ``n``
     is a number, or a 0-dim tensor on the device (a masked batch counts its valid
     positions there, without a host read).
+
+    On the CPU a number goes into the buffer's cached head (one per layer and count); on an
+    accelerator it is filled into a tensor of its own on the device (one more small
+    kernel), so that a new count costs no cached constant: each was a copy through pinned
+    memory and a wait on the host, at every call where batches vary in size (detection's
+    image sizes, say), and a stream of new counts crowded the layers' heads out of the cache.
     """
+    if not isinstance(count, torch.Tensor) and total.device.type != "cpu":
+        count = torch.full((), count, dtype=PACK_DTYPE, device=total.device)
     if isinstance(count, torch.Tensor):
         head, trailer = _buffer_ends(fingerprint, None, error, total.device)
         return torch.cat([head, count.to(PACK_DTYPE).view(1), total, square_total, trailer])
