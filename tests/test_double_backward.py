@@ -218,9 +218,12 @@ def test_third_derivatives_equal_the_global_batchs(pool: WorkerPool) -> None:
         torch.testing.assert_close(total_grad, value, **TOL, msg=f"parameter {index}")
 
 
-def _mismatched(rank: int, world_size: int) -> tuple[str, str]:
+def _mismatched(rank: int, world_size: int, check_mode: str) -> tuple[str, str]:
     """Rank 0 differentiates its input gradient again; rank 1 only its loss."""
     model = syncbn.convert_sync_batchnorm(_model(True))
+    for module in model.modules():
+        if isinstance(module, syncbn.SyncBatchNorm):
+            module.check_mode = check_mode
     x = _batch(4)[2 * rank : 2 * rank + 2].requires_grad_()
     out = model(x)
 
@@ -231,12 +234,17 @@ def _mismatched(rank: int, world_size: int) -> tuple[str, str]:
         else:  # a second plain backward: collectives of the same size, another phase
             out.sum().backward(retain_graph=True)
             out.sum().backward()
+        syncbn.check_deferred()  # the problem of a last call, deferred
 
     return outcome(step)
 
 
-def test_ranks_in_different_phases_raise(pool2: WorkerPool) -> None:
-    results = pool2.run(_mismatched)
+@pytest.mark.parametrize("check_mode", ["immediate", "deferred"])
+def test_ranks_in_different_phases_raise(pool2: WorkerPool, check_mode: str) -> None:
+    """Deferred too: the double backward's collectives raise a problem that an earlier
+    collective found before they join (rank 1 raised it and left; rank 0 waited in its next
+    collective for the process group's timeout, then failed with gloo's error)."""
+    results = pool2.run(_mismatched, check_mode, timeout=30.0)
     for kind, message in results:
         assert kind == "RuntimeError", message
     assert "double backward" in results[0][1], results[0][1]

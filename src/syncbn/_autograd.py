@@ -562,6 +562,9 @@ def sum_over_participants(local: torch.Tensor, phase: str, options: TrainOptions
         layer = options.layer
         options = options._replace(layer=layer._replace(name=f"{layer.name} [{phase}]"))
     device = local.device
+    # a deferred problem of an earlier collective first, as before every other collective:
+    # the other ranks raised it already and will not join this one
+    resolve_mode(options, device)
     with join_on_error(options, phase, device):
         flat = local.detach().reshape(-1).to(_protocol.PACK_DTYPE)
         buffer = _protocol.pack_backward_sums(flat, options.layer.fingerprint)
