@@ -984,3 +984,31 @@ def test_a_cumulative_average_compiles_where_it_does_not_synchronize() -> None:
     message = "Expected more than 1 value per channel" if _NAMES_TRACED_ERRORS else "Observed"
     with pytest.raises(Exception, match=message):
         compiled(torch.randn(1, 3, 1, 1, dtype=torch.float64))
+
+
+class _NamedGroup:
+    """A stand-in for a process group in :func:`syncbn.distributed.group_from_name`'s map."""
+
+    def __init__(self, name: str) -> None:
+        self.group_name = name
+
+
+def test_a_compiled_name_refuses_a_new_group_that_took_a_destroyed_ones_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph names its group by ``group_name`` and the object's ``id``: torch numbers groups
+    from 0 again after ``destroy_process_group()`` and ``init_process_group()``, and a
+    compiled functional call given the destroyed group synchronized over the new group of
+    its name, silently (a review reproduced it on 2 ranks; eager calls raised)."""
+    from syncbn import distributed
+
+    traced, successor = _NamedGroup("1"), _NamedGroup("1")
+    name = distributed.compiled_group_name(traced)  # type: ignore[arg-type]
+    world = type(dist.distributed_c10d._world)
+    monkeypatch.setattr(world, "pg_names", property(lambda self: {traced: "1"}))
+    assert distributed.group_from_name(name) is traced
+    assert distributed.group_from_name("1") is traced  # a bare name (graphs before the id)
+    monkeypatch.setattr(world, "pg_names", property(lambda self: {successor: "1"}))
+    with pytest.raises(RuntimeError, match=r"named '1'\) has been destroyed"):
+        distributed.group_from_name(name)
+    assert distributed.compiled_group_name(None) == "" and distributed.group_from_name("") is None

@@ -22,6 +22,7 @@ __all__ = [
     "check_collective",
     "check_device_backend",
     "check_process_group",
+    "compiled_group_name",
     "create_process_group",
     "destroyed_test",
     "get_rank",
@@ -81,22 +82,44 @@ def check_process_group(group: object) -> None:
     )
 
 
+def compiled_group_name(group: dist.ProcessGroup | None) -> str:
+    """How a compiled graph names ``group`` (``""`` for ``None``, the default group): its
+    ``group_name`` and the object's ``id``, read as constants while dynamo traces.
+
+    The name alone is not enough: torch numbers groups from 0 again after
+    ``destroy_process_group()`` and ``init_process_group()``, so a graph that named a
+    destroyed group would synchronize over whichever new group took its name, silently. A
+    graph is called with the group object it was traced for (dynamo guards on it), so while
+    that object lives no other group has its ``id``.
+    """
+    return "" if group is None else f"{group.group_name}@{id(group)}"
+
+
 def group_from_name(group_name: str) -> dist.ProcessGroup | None:
-    """The process group whose ``group_name`` is ``group_name``; ``None`` (the default
-    group) for ``""``.
+    """The process group that :func:`compiled_group_name` named ``group_name`` (or a bare
+    ``group_name``); ``None`` (the default group) for ``""``.
 
     Compiled graphs name groups, as torch's functional collectives do: a graph holds no
     Python object.
 
     Raises:
-        RuntimeError: if no group of this process has that name.
+        RuntimeError: if no group of this process has that name, or the group of that
+            name is not the object that the graph was traced for (that one was destroyed,
+            and a new group took its name).
     """
     if not group_name:
         return None
-    for group, name in dist.distributed_c10d._world.pg_names.items():
-        if name == group_name:
+    name, _, identity = group_name.partition("@")
+    for group, group_name_now in dist.distributed_c10d._world.pg_names.items():
+        if group_name_now == name:
+            if identity and int(identity) != id(group):
+                break
             return group
-    raise RuntimeError(f"no process group named {group_name!r} exists in this process")
+    raise RuntimeError(
+        f"SyncBatchNorm's process group (named {name!r}) has been destroyed "
+        "(destroy_process_group) since this call was compiled; give the call a live group, "
+        "or None for the default group"
+    )
 
 
 #: per process group, its :func:`destroyed_test` (built once; the group is held weakly)

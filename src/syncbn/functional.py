@@ -141,7 +141,7 @@ def sync_batch_norm(
             eps=eps,
             momentum=momentum,
             site=None,
-            group_name="" if process_group is None else process_group.group_name,
+            group_name=distributed.compiled_group_name(process_group),
             ordered=world_size > 1,
         )
     train = _train_outside_graph if compiling else _train  # compiling: torch < 2.4
