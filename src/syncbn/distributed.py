@@ -82,6 +82,11 @@ def check_process_group(group: object) -> None:
     )
 
 
+#: whether dynamo reads ``id()`` of a process group as a constant: checked on torch 2.13
+#: (older dynamo refuses ``id()`` of most objects, a graph break under ``fullgraph=True``)
+_GRAPHS_NAME_GROUP_IDS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 def compiled_group_name(group: dist.ProcessGroup | None) -> str:
     """How a compiled graph names ``group`` (``""`` for ``None``, the default group): its
     ``group_name`` and the object's ``id``, read as constants while dynamo traces.
@@ -90,9 +95,11 @@ def compiled_group_name(group: dist.ProcessGroup | None) -> str:
     ``destroy_process_group()`` and ``init_process_group()``, so a graph that named a
     destroyed group would synchronize over whichever new group took its name, silently. A
     graph is called with the group object it was traced for (dynamo guards on it), so while
-    that object lives no other group has its ``id``.
+    that object lives no other group has its ``id``. Before torch 2.13, the name alone.
     """
-    return "" if group is None else f"{group.group_name}@{id(group)}"
+    if group is None:
+        return ""
+    return f"{group.group_name}@{id(group)}" if _GRAPHS_NAME_GROUP_IDS else group.group_name
 
 
 def group_from_name(group_name: str) -> dist.ProcessGroup | None:
