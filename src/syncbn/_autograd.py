@@ -67,7 +67,7 @@ __all__ = [
 _SAME_CALLS_RULE = (
     "every rank must call every SyncBatchNorm layer the same number of times, in the same "
     "order, with the same number of channels (also in backward: the same layers must receive "
-    "gradients on every rank)"
+    "gradients on every rank, so their inputs must agree on requires_grad)"
 )
 
 
