@@ -1014,3 +1014,7 @@ def test_a_compiled_name_refuses_a_new_group_that_took_a_destroyed_ones_name(
     with pytest.raises(RuntimeError, match=r"named '1'\) has been destroyed"):
         distributed.group_from_name(name)
     assert distributed.compiled_group_name(None) == "" and distributed.group_from_name("") is None
+    named = _NamedGroup("user@name")  # a name of its own, "@" included
+    monkeypatch.setattr(world, "pg_names", property(lambda self: {named: "user@name"}))
+    assert distributed.group_from_name(f"user@name@{id(named)}") is named
+    assert distributed.group_from_name("user@name") is named

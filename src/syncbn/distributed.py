@@ -116,7 +116,9 @@ def group_from_name(group_name: str) -> dist.ProcessGroup | None:
     """
     if not group_name:
         return None
-    name, _, identity = group_name.partition("@")
+    name, at, identity = group_name.rpartition("@")
+    if not at or not identity.isdigit():  # a bare name (before torch 2.13), "@" or not
+        name, identity = group_name, ""
     for group, group_name_now in dist.distributed_c10d._world.pg_names.items():
         if group_name_now == name:
             if identity and int(identity) != id(group):
