@@ -745,13 +745,13 @@ def corrected_input_grad(
     mean, var, scale, _ = saved.unbind()
     correction_bias, correction_weight = corrections.unbind()
     ndim = input.dim()
-    saved_dtype = grad_output.dtype  # the input gradient's
     if valid is not None and in_place_masked(grad_output, input, saved):
         # batch_norm(x, w, b, mean, var) is x * a + (b - a * mean) with a = w / sqrt(var + eps)
         slope = correction_weight * (var + eps).rsqrt()
         offset = torch.addcmul(correction_bias, slope, mean, value=-1)
         return masked_input_grad(grad_output, input, scale, slope, offset, valid)
-    low_precision = scale.dtype != grad_output.dtype
+    gradient_dtype = grad_output.dtype  # the input gradient's too
+    low_precision = scale.dtype != gradient_dtype
     if low_precision:
         # both terms in the statistics dtype, rounded once at the end as torch's kernels
         # round: the correction rounded to bfloat16 before the sum lost the difference of
@@ -763,7 +763,7 @@ def corrected_input_grad(
     )
     grad_input = correction.addcmul_(grad_output, channel_view(scale, ndim))
     if low_precision:
-        grad_input = grad_input.to(saved_dtype)
+        grad_input = grad_input.to(gradient_dtype)
     return grad_input if valid is None else zero_padded(grad_input, valid, inplace=True)
 
 
