@@ -110,36 +110,42 @@ def test_failure_in_one_rank_stops_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / RESULTS_FILE).exists()
 
 
-def _read_until(
-    fd: int,
-    output: bytearray,
-    done: object,
-    timeout: float,
-    what: str,
-    describe: Callable[[], str] | None = None,
-) -> None:
-    """Append what ``fd`` yields to ``output`` until ``done(output)``, EOF or the timeout.
-
-    At the timeout the test fails with the output's end, and with ``describe()`` (what the
-    processes were doing) where given."""
-    deadline = time.monotonic() + timeout
-    while not done(output):  # type: ignore[operator]
+def _read(fd: int, output: bytearray, done: Callable[[bytearray], object], seconds: float) -> bool:
+    """Append what ``fd`` yields to ``output`` until ``done(output)``, EOF or ``seconds``;
+    whether it stopped before the time ran out."""
+    deadline = time.monotonic() + seconds
+    while not done(output):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            state = "" if describe is None else f"\n{describe()}"
-            pytest.fail(
-                f"timed out after {timeout:.0f}s waiting for {what}; "
-                f"output ended with {bytes(output[-2000:])!r}; its lines other than "
-                f"progress bars: {_not_progress(output)!r}{state}"
-            )
+            return False
         if select.select([fd], [], [], min(remaining, 0.5))[0]:
             try:
                 chunk = os.read(fd, 65536)
             except OSError:  # EIO: every writer closed the terminal
                 chunk = b""
             if not chunk:
-                return
+                return True
             output += chunk
+    return True
+
+
+def _read_until(
+    fd: int,
+    output: bytearray,
+    done: Callable[[bytearray], object],
+    timeout: float,
+    what: str,
+    describe: Callable[[], str] | None = None,
+) -> None:
+    """:func:`_read`, failing the test at the timeout with the output's end, and with
+    ``describe()`` (what the processes were doing) where given."""
+    if not _read(fd, output, done, timeout):
+        state = "" if describe is None else f"\n{describe()}"
+        pytest.fail(
+            f"timed out after {timeout:.0f}s waiting for {what}; "
+            f"output ended with {bytes(output[-2000:])!r}; its lines other than "
+            f"progress bars: {_not_progress(output)!r}{state}"
+        )
 
 
 def _not_progress(output: bytearray) -> list[bytes]:
@@ -147,22 +153,6 @@ def _not_progress(output: bytearray) -> list[bytes]:
     scrolled by among thousands of its redraws: "Exception ignored in ...", say)."""
     lines = re.split(rb"[\r\n]+", bytes(output))
     return [line for line in lines if line.strip() and not re.search(rb"\d+/\d+ \[", line)]
-
-
-def _drain(fd: int, output: bytearray, seconds: float, until: bytes | None = None) -> None:
-    """Append what ``fd`` yields to ``output`` for ``seconds`` (or until ``until`` appears)."""
-    deadline = time.monotonic() + seconds
-    while until is None or until not in output:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # EIO: every writer closed the terminal
-            return
-        if not chunk:
-            return
-        output += chunk
 
 
 _SIGNAL_FIELDS = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
@@ -256,8 +246,8 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
             dump = bytearray()
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGUSR1)
-                _drain(controller, dump, 5.0, until=b"Current thread")
-                _drain(controller, dump, 1.0)  # the rest of the dump
+                _read(controller, dump, lambda text: b"Current thread" in text, 5.0)
+                _read(controller, dump, lambda text: False, 1.0)  # the rest of the dump
             return f"{state}\nthe demo's threads:\n{dump.decode(errors='replace')}"
 
         _read_until(controller, err, lambda text: False, 25, "the end of the output", describe)
