@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import WorkerPool, outcome
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
 from syncbn import _autograd, distributed
@@ -313,6 +314,66 @@ def test_double_backward_raises_for_a_masked_call_alone(head_trainable: bool) ->
         )
         penalties.append(torch.autograd.grad(gradient.pow(2).sum(), x)[0])
     torch.testing.assert_close(penalties[0], penalties[1])
+
+
+class _FailOnce(TorchDispatchMode):
+    """Raises at the first call of ``op``: a local error (out of memory, say) in the maths."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op, self.failed = op, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is self.op and not self.failed:
+            self.failed = True
+            raise RuntimeError("simulated out of memory")
+        return func(*args, **(kwargs or {}))
+
+
+def _one_rank_fails_in_backward(rank: int, world_size: int, where: str) -> tuple[str, str]:
+    """The last rank fails in backward before the collective: reading the saved tensors (a
+    ``saved_tensors_hooks`` unpack that raises, as ``save_on_cpu``'s copy back can), or in
+    a differentiable backward's local maths (``create_graph=True``). Both ran outside the
+    error flag's reach: the other ranks waited for the process group's timeout (a review,
+    2026-12-07)."""
+    bn = syncbn.SyncBatchNorm(3).double()
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    failing = rank == world_size - 1
+
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        if failing:
+            raise RuntimeError("simulated out of memory while unpacking a saved tensor")
+        return tensor
+
+    def step() -> None:
+        if where == "unpack":
+            with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpack):
+                output = bn(x)
+            output.sum().backward()
+            return
+        output = bn(x)
+        mode = _FailOnce(torch.ops.aten.sub.Tensor if failing else None)
+        with mode:
+            (gradient,) = torch.autograd.grad(output.pow(2).sum(), x, create_graph=True)
+        gradient.pow(2).sum().backward()
+
+    result = outcome(step)
+    # the failing rank joined the collective with the error flag: the group is in step
+    assert outcome(lambda: bn(torch.randn(2, 3, dtype=torch.float64)).sum().backward()) == (
+        "ok",
+        "",
+    )
+    return result
+
+
+@pytest.mark.parametrize("where", ["unpack", "double backward"])
+def test_a_failure_in_backward_before_the_collective_raises_on_every_rank(
+    pool2: WorkerPool, where: str
+) -> None:
+    other, failed = pool2.run(_one_rank_fails_in_backward, where, timeout=120.0)
+    assert failed[0] == "RuntimeError" and "simulated out of memory" in failed[1], failed
+    assert other[0] == "RuntimeError", other
+    assert "1 other rank(s) failed in their SyncBatchNorm call in backward" in other[1], other
 
 
 def _outside_group(rank: int, world_size: int) -> tuple[str, str]:

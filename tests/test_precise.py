@@ -221,6 +221,29 @@ def test_a_layer_whose_tracking_was_switched_off_normalizes_with_batch_statistic
     assert not first.training
 
 
+@pytest.mark.parametrize("layer_class", [nn.BatchNorm1d, syncbn.SyncBatchNorm])
+def test_a_tracking_layer_without_running_statistics_normalizes_with_batch_statistics(
+    layer_class: type[nn.Module],
+) -> None:
+    """A layer whose running statistics were set to None (it still tracks): torch's
+    BatchNorm runs it on batch statistics in training and eval alike. Recomputing read
+    its missing buffers' device and raised AttributeError (a review, 2026-12-07); it now
+    has nothing to write there, and the next layer gets the statistics of what it gives."""
+    torch.manual_seed(0)
+    first: Any = layer_class(3).double()
+    second = nn.BatchNorm1d(3, dtype=torch.float64)
+    model = nn.Sequential(first, second)
+    first.running_mean = first.running_var = None
+    batches = [torch.randn(8, 3, dtype=torch.float64) * 2 + 1 for _ in range(4)]
+    with torch.no_grad():
+        seen = torch.cat([first(batch) for batch in batches])
+    var, mean = torch.var_mean(seen, dim=0)
+    syncbn.recompute_statistics(model, batches)
+    torch.testing.assert_close(second.running_mean, mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(second.running_var, var, rtol=1e-12, atol=0)
+    assert first.running_mean is None and first.running_var is None
+
+
 class _KeywordCall(nn.Module):
     def __init__(self) -> None:
         super().__init__()

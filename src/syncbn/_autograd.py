@@ -909,6 +909,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.count = result.global_count
         ctx.options = options
+        ctx.device = result.saved.device  # the collective's (a failed unpack joins it there)
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
             None if bias is None else bias.dtype,
@@ -921,23 +922,38 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         # grad mode is on in backward exactly when it runs with create_graph=True
         create_graph = torch.is_grad_enabled()
-        input, saved, valid, shift, weight = ctx.saved_tensors
         needs_grad = tuple(ctx.needs_input_grad[:3])
+        options = ctx.options
+        # until the call reaches its collective (where the input needs a gradient), an
+        # exception joins it with the error flag: reading the saved tensors runs the
+        # unpack hooks of torch.autograd.graph.saved_tensors_hooks (save_on_cpu's copy
+        # back to the device, which can run out of memory), and autograd's check that no
+        # saved tensor was modified in place
+        local_part = join_on_error(options, "backward", ctx.device, enabled=needs_grad[0])
+        with local_part:
+            input, saved, valid, shift, weight = ctx.saved_tensors
         if create_graph and valid is None:  # a differentiable backward: a gradient penalty
-            # with Triton's passes, the saved mean is that of the input minus the shift
-            mean = saved[0] if shift is None else saved[0] + shift.to(saved.dtype)
-            options = ctx.options
-            grad_input, grad_weight, grad_bias = differentiable_backward(
-                grad_output,
-                input,
-                weight,
-                mean,
-                saved[1],
-                ctx.count,
-                options.eps,
-                needs_grad,
-                functools.partial(sum_over_participants, options=options),
-            )
+
+            def summation(local: torch.Tensor, phase: str) -> torch.Tensor:
+                # the collective reached: from here on its own checks and error flag
+                # (sum_over_participants) tell the other ranks
+                local_part.enabled = False
+                return sum_over_participants(local, phase, options)
+
+            with local_part:
+                # with Triton's passes, the saved mean is that of the input minus the shift
+                mean = saved[0] if shift is None else saved[0] + shift.to(saved.dtype)
+                grad_input, grad_weight, grad_bias = differentiable_backward(
+                    grad_output,
+                    input,
+                    weight,
+                    mean,
+                    saved[1],
+                    ctx.count,
+                    options.eps,
+                    needs_grad,
+                    summation,
+                )
         else:
             with torch.no_grad():
                 grad_input, grad_weight, grad_bias = backward_train(

@@ -186,6 +186,10 @@ def _describe(layer: _BatchNorm, names: dict[int, str]) -> str:
 
 
 @torch.no_grad()
+def _holds_statistics(layer: _BatchNorm) -> bool:
+    return layer.running_mean is not None and layer.running_var is not None
+
+
 def recompute_statistics(
     model: nn.Module,
     batches: Iterable[Any],
@@ -206,7 +210,7 @@ def recompute_statistics(
     (count-weighted, in float64), summed over all ranks of ``process_group`` in a
     single ``all_reduce`` at the end, and written to ``running_mean`` (the
     population mean) and ``running_var`` (the unbiased population variance) of
-    every layer with ``track_running_stats=True``. Plain BatchNorm layers too end
+    every layer with ``track_running_stats=True`` that holds them. Plain BatchNorm layers too end
     with identical statistics on every rank. Training mode, momentum and
     ``num_batches_tracked`` are left as they were.
 
@@ -244,7 +248,9 @@ def recompute_statistics(
         >>> model.eval()  # evaluate with the precise statistics
     """
     all_layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-    layers = [m for m in all_layers if m.track_running_stats]
+    # the layers with running statistics to write (a layer may track them and hold none:
+    # its buffers set to None, which torch's BatchNorm then runs without, on batch statistics)
+    layers = [m for m in all_layers if m.track_running_stats and _holds_statistics(m)]
     names = {id(module): name for name, module in model.named_modules()}
     world_size = distributed.get_world_size(process_group)
     sums: dict[int, torch.Tensor] = {}
