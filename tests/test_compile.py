@@ -870,7 +870,7 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
     grad = torch.rand(2 * 8 + 1, dtype=torch.float64)
     ops = torch.ops.syncbn
     checks = [
-        torch.library.opcheck(ops.sync_moments.default, (*forward_args, _compiled.REVISION)),
+        torch.library.opcheck(ops.sync_moments.default, (*forward_args, True, _compiled.REVISION)),
         torch.library.opcheck(
             ops.sync_moments_backward.default,
             (grad, grad, torch.empty_like(grad), layer._site, ""),
@@ -903,7 +903,16 @@ def test_the_forward_op_skips_no_dispatch_mode_when_nothing_records() -> None:
     moments = torch.rand(2 * 8 + 1, dtype=torch.float64)
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
-    args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1, _compiled.REVISION)
+    args = (
+        moments,
+        order,
+        layer.num_batches_tracked,
+        layer._site,
+        "",
+        0.1,
+        True,
+        _compiled.REVISION,
+    )
     with torch.no_grad():
         direct = torch.ops.syncbn.sync_moments.default(*args)
         with Recorder() as recorder:
@@ -922,7 +931,16 @@ def forward_op_calls(device: torch.device) -> list[str]:
     moments = torch.rand(2 * 8 + 1, dtype=torch.float64, device=device)
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
-    args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1, _compiled.REVISION)
+    args = (
+        moments,
+        order,
+        layer.num_batches_tracked,
+        layer._site,
+        "",
+        0.1,
+        True,
+        _compiled.REVISION,
+    )
     calls: list[str] = []
     implementation, redispatch = _compiled._sync_moments, _compiled._redispatch
 

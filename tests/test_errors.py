@@ -376,6 +376,54 @@ def test_a_failure_in_backward_before_the_collective_raises_on_every_rank(
     assert "1 other rank(s) failed in their SyncBatchNorm call in backward" in other[1], other
 
 
+def _ranks_disagree(rank: int, world_size: int, what: str, compiled: bool) -> tuple[str, str]:
+    """The last rank's layer or input differs from the others' in ``what``: its ``eps`` or
+    ``momentum`` (each rank then normalized with its own ``eps``, or moved its running
+    statistics apart, silently), or whether its input needs a gradient (an empty batch
+    made with ``torch.empty``: its backward joined no collective, and the other ranks
+    waited there for the process group's timeout). A review, 2026-12-07."""
+    torch._dynamo.reset()
+    last = rank == world_size - 1
+    eps = 0.1 if last and what == "eps" else 1e-5
+    momentum = None if last and what == "momentum" else 0.1
+    bn = syncbn.SyncBatchNorm(3, eps=eps, momentum=momentum).double()
+    run = torch.compile(bn, fullgraph=True, backend="aot_eager") if compiled else bn
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    if last and what == "requires_grad":
+        x = torch.empty(0, 3, 5, dtype=torch.float64)
+    running_mean = bn.running_mean
+    assert running_mean is not None
+    before = running_mean.clone()
+    result = outcome(lambda: run(x).sum().backward())
+    assert torch.equal(running_mean, before)  # a call whose checks fail moves nothing
+    # every rank raised in the same forward collective: the group is in step
+    bn.eps, bn.momentum = 1e-5, 0.1
+    y = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    assert outcome(lambda: run(y).sum().backward()) == ("ok", "")
+    return result
+
+
+@pytest.mark.parametrize(
+    ("what", "compiled"),
+    [("eps", False), ("momentum", False), ("requires_grad", False), ("requires_grad", True)],
+    ids=["eps", "momentum", "requires_grad", "requires_grad-compiled"],
+)
+def test_ranks_that_disagree_on_settings_or_requires_grad_raise_on_every_rank(
+    pool2: WorkerPool, what: str, compiled: bool
+) -> None:
+    results = pool2.run(_ranks_disagree, what, compiled, timeout=120.0)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "RuntimeError", (rank, message)
+        if what == "requires_grad":
+            assert "inputs disagree on requires_grad in forward" in message, (rank, message)
+            assert "the input of 1 of 2 ranks needs a gradient" in message, (rank, message)
+            here = "does not need one" if rank == 1 else "needs one"
+            assert f"this rank's {here}" in message, (rank, message)
+        else:
+            assert "layer mismatch in forward" in message, (rank, message)
+            assert "another eps or momentum" in message, (rank, message)
+
+
 def _outside_group(rank: int, world_size: int) -> tuple[str, str]:
     group = dist.new_group([0])
     bn = syncbn.SyncBatchNorm(3, process_group=group)

@@ -235,7 +235,7 @@ def test_the_layers_known_by_fingerprint_are_the_latest_few(
     monkeypatch.setattr(_protocol, "_MAX_DESCRIBED", 8)
     layers = [syncbn.SyncBatchNorm(5) for _ in range(20)]
     assert len(_protocol._described) == 8
-    first, last = (layer._layer_info(0) for layer in (layers[0], layers[-1]))
+    first, last = (layer.next_train_options() for layer in (layers[0], layers[-1]))
     assert f"{layers[0].layer_identity!r} (num_features=5)" not in (
         _protocol._layers_with_fingerprint(first.fingerprint)
     )

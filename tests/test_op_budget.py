@@ -167,7 +167,14 @@ def test_the_compiled_ops_stay_within_their_kernel_budget(check_mode: str) -> No
 
     def forward() -> Any:
         return _compiled._sync_moments(
-            moments, order, layer.num_batches_tracked, layer._site, "", 0.1, _compiled.REVISION
+            moments,
+            order,
+            layer.num_batches_tracked,
+            layer._site,
+            "",
+            0.1,
+            True,
+            _compiled.REVISION,
         )
 
     def backward() -> None:

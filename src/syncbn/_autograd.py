@@ -292,10 +292,6 @@ class LayerInfo(NamedTuple):
     check_layer_order: bool = True
     check_mode: str = "auto"
 
-    @property
-    def fingerprint(self) -> int:
-        return _protocol.fingerprint(self.name, self.num_features) if self.check_layer_order else 0
-
     def describe(self) -> str:
         name = repr(self.name) if self.name else "<unnamed>"
         call = "" if self.call_index is None else f", call {self.call_index}"
@@ -311,12 +307,29 @@ class TrainOptions(NamedTuple):
         eps: added to the variance.
         momentum: the running statistics' factor, or ``None`` for a cumulative average
             (``1 / (num_batches_tracked + 1)``).
+        input_grad: whether the call's input needs a gradient (its backward then joins a
+            collective); the forward's fingerprint says it (:attr:`forward_fingerprint`).
     """
 
     reducer: Reducer
     layer: LayerInfo
     eps: float = 1e-5
     momentum: float | None = 0.1
+    input_grad: bool = True
+
+    @property
+    def fingerprint(self) -> int:
+        """The layer's fingerprint (its identity, channel count, ``eps`` and ``momentum``),
+        which its backward buffers carry offset; 0 where the order check is off."""
+        layer = self.layer
+        if not layer.check_layer_order:
+            return 0
+        return _protocol.fingerprint(layer.name, layer.num_features, self.eps, self.momentum)
+
+    @property
+    def forward_fingerprint(self) -> int:
+        """What this call's forward buffer carries (``_protocol.forward_fingerprint``)."""
+        return _protocol.forward_fingerprint(self.fingerprint, self.input_grad)
 
     def header_check(
         self, phase: str, input_size: tuple[int, ...] | None = None
@@ -324,7 +337,7 @@ class TrainOptions(NamedTuple):
         return _protocol.HeaderCheck(
             world_size=self.reducer.world_size,
             participants=self.reducer.participants,
-            fingerprint=self.layer.fingerprint,
+            fingerprint=self.forward_fingerprint if phase == "forward" else self.fingerprint,
             check_fingerprint=self.layer.check_layer_order,
             layer=self.layer,
             phase=phase,
@@ -339,12 +352,12 @@ def join_with_error(options: TrainOptions, phase: str, device: torch.device) -> 
     Called while an exception is propagating; a failure of the collective itself (peers
     gone) must not replace that exception, so it is dropped.
     """
-    layer = options.layer
-    zeros = torch.zeros(layer.num_features, dtype=_protocol.PACK_DTYPE, device=device)
+    zeros = torch.zeros(options.layer.num_features, dtype=_protocol.PACK_DTYPE, device=device)
     if phase == "forward":
-        buffer = _protocol.pack_forward(0, zeros, zeros, layer.fingerprint, error=True)
+        buffer = _protocol.pack_forward(0, zeros, zeros, options.forward_fingerprint, error=True)
     else:
-        buffer = _protocol.pack_backward(zeros, zeros, layer.fingerprint, error=True, phase=phase)
+        fingerprint = options.fingerprint
+        buffer = _protocol.pack_backward(zeros, zeros, fingerprint, error=True, phase=phase)
     try:
         options.reducer.all_reduce(buffer, phase)
     except Exception:  # noqa: BLE001 - the original exception is the one to report
@@ -523,7 +536,7 @@ def reduce_forward(
     count = _protocol.count_slot(buffer)
     # [the checks pass, and the global batch is not empty]: a call whose checks fail
     # counts no batch and moves no running statistics
-    flags = _protocol.device_flags(header, options.reducer.world_size, options.layer.fingerprint)
+    flags = _protocol.device_flags(header, options.reducer.world_size, options.forward_fingerprint)
     if momentum is None and num_batches_tracked is not None:  # a cumulative average
         # in float64, then rounded once: float16 cannot even hold a count above 65504
         average = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
@@ -567,7 +580,7 @@ def sum_over_participants(local: torch.Tensor, phase: str, options: TrainOptions
     resolve_mode(options, device)
     with join_on_error(options, phase, device):
         flat = local.detach().reshape(-1).to(_protocol.PACK_DTYPE)
-        buffer = _protocol.pack_backward_sums(flat, options.layer.fingerprint)
+        buffer = _protocol.pack_backward_sums(flat, options.fingerprint)
     return synchronize_grads(buffer, options, device, phase).to(local.dtype, copy=True)
 
 
@@ -621,7 +634,7 @@ def forward_train(
             valid = valid_positions(mask, input)
         if fused is not None:
             triton_passes = takes_triton_passes(input)
-            fingerprint = options.layer.fingerprint
+            fingerprint = options.forward_fingerprint
             moments, buffer = fused.pack_forward(input, fingerprint, valid, triton_passes)
         else:
             # a CPU call whose checks are immediate reads its buffer back anyway: a masked
@@ -632,7 +645,7 @@ def forward_train(
                 moments.local_count,
                 moments.total,
                 moments.square_total,
-                options.layer.fingerprint,
+                options.forward_fingerprint,
             )
     running = first_given(running_mean, running_var)
     update_dtype = torch.float64 if running is None else running.dtype
@@ -743,7 +756,7 @@ def _forward_on_fused_kernel(
         running_var,
         num_batches_tracked,
         counted,
-        (options.reducer.world_size, options.layer.fingerprint),
+        (options.reducer.world_size, options.forward_fingerprint),
         options.eps,
         _stats.stat_dtype(input.dtype),
         update_buffers=not is_recomputing(),  # a checkpointed forward already moved them
@@ -838,7 +851,7 @@ def backward_train(
             )
         if need_input:
             pack = _protocol.pack_backward if fused is None else fused.pack_backward
-            buffer = pack(sum_dy, sum_dy_xhat, options.layer.fingerprint)
+            buffer = pack(sum_dy, sum_dy_xhat, options.fingerprint)
     grad_input = None
     if need_input and fused is not None:
         # one kernel for the header values and the corrections (the generic code runs
@@ -901,6 +914,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         options: TrainOptions,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        if not ctx.needs_input_grad[0]:  # no backward collective: the forward tells so
+            options = options._replace(input_grad=False)
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )

@@ -285,10 +285,13 @@ def _sync_moments(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    input_grad: bool,
     revision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_features = (moments.numel() - 1) // 2
     options = _options(site, group_name, num_features, momentum, backward=False)
+    if not input_grad:  # no backward collective: the forward's fingerprint tells so
+        options = options._replace(input_grad=False)
     device = moments.device
     mode = resolve_mode(options, device)  # outside join_on_error: see there
     with join_on_error(options, "forward", device):
@@ -298,7 +301,7 @@ def _sync_moments(
                 f"expected input with {expected} channels (num_features={expected}), "
                 f"got input with {num_features} channels"
             )
-        buffer = _protocol.pack_forward_moments(moments, options.layer.fingerprint)
+        buffer = _protocol.pack_forward_moments(moments, options.forward_fingerprint)
     reduced = reduce_forward(buffer, mode, num_batches_tracked, options)
     # outputs may not alias the inputs: the buffer is the collective's own
     global_moments = _protocol.forward_moments(reduced.buffer)
@@ -312,6 +315,7 @@ def _sync_moments_fake(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    input_grad: bool,
     revision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(moments), moments.new_empty(2), torch.empty_like(order)
@@ -331,7 +335,7 @@ def _sync_moments_backward(
     phase = _protocol.COMPILED_BACKWARD  # not an eager backward's sums: its own fingerprint
     with join_on_error(options, phase, device):
         # [sum(x) (C), sum(x**2) (C)]'s gradients, in the order of a backward buffer
-        buffer = _protocol.pack_backward_sums(grad_moments[1:], options.layer.fingerprint, phase)
+        buffer = _protocol.pack_backward_sums(grad_moments[1:], options.fingerprint, phase)
     totals = synchronize_grads(buffer, options, device, phase)
     # the count is no function of the input: no gradient (one op, where a copy into a
     # slice and the zeroing of another were four; the cached zero is never written)
@@ -350,7 +354,7 @@ def _sync_moments_backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, _, site, group_name, _, _ = inputs
+    _, _, _, site, group_name, _, _, _ = inputs
     _save_rather_than_recompute()
     ctx.mark_non_differentiable(output[1], output[2])
     # an attribute, not saved for backward: the backward op only needs to find the layer
@@ -416,7 +420,7 @@ def _autograd_backward(
     grad = torch.empty_like(grad_moments)
     after = _previous_backward_output(grad, first=grad_moments)
     torch.ops.syncbn.sync_moments_backward(grad_moments, after, grad, ctx.site, ctx.group_name)
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None
 
 
 class _SyncMoments(torch.autograd.Function):
@@ -529,7 +533,8 @@ def _fail_forward_fake(
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     "sync_moments": (
         "(Tensor moments, Tensor order, Tensor? num_batches_tracked, Tensor? site, "
-        "str group_name, float? momentum, str revision) -> (Tensor, Tensor, Tensor)",
+        "str group_name, float? momentum, bool input_grad, str revision) "
+        "-> (Tensor, Tensor, Tensor)",
         _sync_moments,
         _sync_moments_fake,
     ),
@@ -682,8 +687,10 @@ def _exchange(
     def exchange(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # a process alone has no collective to order: a token of its own
         order = order_token(moments.device) if ordered else moments.new_zeros(1)
+        # whether the input needs a gradient, as tracing sees it (a constant of the graph)
+        input_grad = moments.requires_grad and torch.is_grad_enabled()
         global_moments, update, advanced = torch.ops.syncbn.sync_moments(
-            moments, order, num_batches_tracked, site, group_name, momentum, REVISION
+            moments, order, num_batches_tracked, site, group_name, momentum, input_grad, REVISION
         )
         if ordered:
             _advance(order, advanced)

@@ -88,7 +88,7 @@ class LayerIdentity:
     def layer_name(self, name: str) -> None:
         self._layer_name = name
         # known to this process from now on: a mismatch error can name it as the other side
-        register_layer(self.layer_identity, self.num_features)
+        register_layer(self.layer_identity, self.num_features, self.eps, self.momentum)
 
     @property
     def layer_identity(self) -> str:

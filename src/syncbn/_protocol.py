@@ -24,7 +24,10 @@ is left waiting. ``f`` is the layer's fingerprint: if all ranks reached the same
 the sums equal ``world_size * f`` and ``world_size * f**2`` for each rank's own ``f``,
 and if any two ranks differ, the sums differ on every rank (equal mean and mean square
 imply zero spread). A fingerprint is an integer under ``2**18`` (a layer's at most
-``2**16``, the backward ones offset from it), so all sums are exact. The trailer catches
+``2**16``, of its identity, channel count, ``eps`` and ``momentum``; the backward ones
+offset from it, and so is a forward's whose input needs no gradient, which joins no
+backward collective: ranks that disagree on it fail the forward's check, where the others
+would have waited in backward), so all sums are exact. The trailer catches
 ranks whose buffers differ in length (different channel counts): a backend that reduces
 only the shorter length leaves the longer buffer's last slot without the other ranks'
 share. ``n`` is the rank's count per channel; its sum, the global count, stays on the
@@ -72,6 +75,7 @@ __all__ = [
     "discard_pending",
     "fingerprint",
     "forward_moments",
+    "forward_fingerprint",
     "forward_size",
     "forward_sums",
     "forward_totals",
@@ -97,6 +101,10 @@ SUMS_SLOT = _COUNT_SLOT + 1
 #: what a backward fingerprint adds to the layer's (forward) fingerprint; a compiled
 #: backward's adds twice as much
 _BACKWARD_OFFSET = 1 << 16
+#: what the forward fingerprint of a call whose input needs no gradient adds to the
+#: layer's: such a call joins no backward collective, so ranks that disagree on it would
+#: leave the others waiting in backward; they fail the forward's check instead
+_NO_GRAD_OFFSET = 3 << 16
 #: the phase of a compiled step's backward collective (``syncbn::sync_moments_backward``)
 COMPILED_BACKWARD = "backward (compiled)"
 #: how many numbers :func:`header_values` takes from a forward buffer (two rows of six)
@@ -141,17 +149,34 @@ _BACKWARD_PHASES = (("backward", "in backward"), (COMPILED_BACKWARD, "in a compi
 
 
 @functools.lru_cache(maxsize=4096)
-def fingerprint(layer_name: str, num_features: int) -> int:
-    """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank."""
-    value = zlib.crc32(f"{layer_name}|{num_features}".encode()) % _BACKWARD_OFFSET + 1
+def fingerprint(
+    layer_name: str, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1
+) -> int:
+    """A layer's fingerprint: an integer in ``[1, 2**16]``, the same on every rank.
+
+    It covers the layer's ``eps`` and ``momentum`` too: ranks whose layers differ there
+    would each normalize with their own ``eps`` (outputs that are not the global batch's)
+    or move their running statistics apart, with no error (a review, 2026-12-07).
+    """
+    key = f"{layer_name}|{num_features}|{eps!r}|{momentum!r}"
+    value = zlib.crc32(key.encode()) % _BACKWARD_OFFSET + 1
     _describe(layer_name, num_features, value)
     return value
 
 
-def register_layer(layer_name: str, num_features: int) -> None:
+def forward_fingerprint(fingerprint: int, input_grad: bool) -> int:
+    """What a forward buffer carries: the layer's fingerprint, plus ``3 * 2**16`` where the
+    call's input needs no gradient (0, the order check off, stays 0). Under ``2**18``, as
+    the backward fingerprints."""
+    return fingerprint if input_grad or not fingerprint else fingerprint + _NO_GRAD_OFFSET
+
+
+def register_layer(
+    layer_name: str, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1
+) -> None:
     """Make a layer of this process known by its fingerprint, for the mismatch errors of
     other layers (a layer is registered when built or renamed, before its first call)."""
-    _describe(layer_name, num_features, fingerprint(layer_name, num_features))
+    _describe(layer_name, num_features, fingerprint(layer_name, num_features, eps, momentum))
 
 
 def _describe(layer_name: str, num_features: int, value: int) -> None:
@@ -172,6 +197,8 @@ def _layers_with_fingerprint(value: int) -> list[str]:
     for description, forward in described:
         if forward == value:
             names.add(description)
+        if forward_fingerprint(forward, input_grad=False) == value:
+            names.add(f"{description} with an input that needs no gradient")
         for phase, where in _BACKWARD_PHASES:
             if backward_fingerprint(forward, phase) == value:
                 names.add(f"{description} {where}")
@@ -185,14 +212,32 @@ def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> s
     rest, square_rest = header.fingerprint_sum - own, header.fingerprint_square_sum - own * own
     if others >= 1 and rest == square_rest == 0:
         return "a layer whose check_layer_order is False (no fingerprint)"
+    unknown = "a different layer (or this layer with another eps or momentum)"
     if others < 1 or rest % others or square_rest != others * (rest / others) ** 2:
-        return "a different layer"
+        return unknown
     value = int(rest / others)
     names = _layers_with_fingerprint(value)
     if not names:
-        return "a different layer"
-    where = " in forward" if not forward and value <= _BACKWARD_OFFSET else ""
+        return unknown
+    in_forward = value <= _BACKWARD_OFFSET or value > _NO_GRAD_OFFSET
+    where = " in forward" if not forward and in_forward else ""
     return f"SyncBatchNorm layer {' or '.join(names)}{where}"
+
+
+def _ranks_needing_grad(header: Header, world_size: int, own: int) -> int | None:
+    """Where the fingerprints of a forward differ only in whether each rank's input needs a
+    gradient (:func:`forward_fingerprint`): how many ranks' inputs do; else ``None``."""
+    layer = own - _NO_GRAD_OFFSET if own > _NO_GRAD_OFFSET else own
+    without = layer + _NO_GRAD_OFFSET
+    excess = header.fingerprint_sum - world_size * layer
+    if excess % _NO_GRAD_OFFSET:
+        return None
+    no_grad = int(excess // _NO_GRAD_OFFSET)  # the ranks whose input needs no gradient
+    needing = world_size - no_grad
+    squares = needing * layer * layer + no_grad * without * without
+    if not 0 < no_grad < world_size or header.fingerprint_square_sum != squares:
+        return None
+    return needing
 
 
 @functools.lru_cache(maxsize=1024)
@@ -527,6 +572,21 @@ class HeaderCheck(NamedTuple):
             or header.fingerprint_square_sum != self.world_size * own * own
             or header.trailer_sum != self.world_size * own
         ):
+            needing = None
+            if self.phase == "forward":
+                needing = _ranks_needing_grad(header, self.world_size, own)
+            if needing is not None:
+                here = "does not need one" if own > _NO_GRAD_OFFSET else "needs one"
+                return RuntimeError(
+                    f"SyncBatchNorm inputs disagree on requires_grad in forward: at "
+                    f"{self.layer.describe()} the input of {needing} of {self.world_size} "
+                    f"{self.participants} needs a gradient, and this {one}'s {here}. A "
+                    "backward synchronizes only where the input needs a gradient, so the "
+                    f"{self.participants} whose input does would wait in backward for the "
+                    "others; give the input the same requires_grad on every "
+                    f"{one} (an empty batch made with torch.empty or torch.zeros needs none: "
+                    "call requires_grad_() on it, or make it from the model's activations)"
+                )
             others = _others_layer(header, self.world_size, own, self.phase == "forward")
             return RuntimeError(
                 f"SyncBatchNorm layer mismatch in {self.phase}: this rank is at "
