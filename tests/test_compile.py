@@ -903,16 +903,8 @@ def test_the_forward_op_skips_no_dispatch_mode_when_nothing_records() -> None:
     moments = torch.rand(2 * 8 + 1, dtype=torch.float64)
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
-    args = (
-        moments,
-        order,
-        layer.num_batches_tracked,
-        layer._site,
-        "",
-        0.1,
-        True,
-        _compiled.REVISION,
-    )
+    counted, revision = layer.num_batches_tracked, _compiled.REVISION
+    args = (moments, order, counted, layer._site, "", 0.1, True, revision)
     with torch.no_grad():
         direct = torch.ops.syncbn.sync_moments.default(*args)
         with Recorder() as recorder:
@@ -931,16 +923,8 @@ def forward_op_calls(device: torch.device) -> list[str]:
     moments = torch.rand(2 * 8 + 1, dtype=torch.float64, device=device)
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
-    args = (
-        moments,
-        order,
-        layer.num_batches_tracked,
-        layer._site,
-        "",
-        0.1,
-        True,
-        _compiled.REVISION,
-    )
+    counted, revision = layer.num_batches_tracked, _compiled.REVISION
+    args = (moments, order, counted, layer._site, "", 0.1, True, revision)
     calls: list[str] = []
     implementation, redispatch = _compiled._sync_moments, _compiled._redispatch
 
