@@ -244,6 +244,33 @@ def test_a_training_call_on_the_meta_device_infers_batchnorms_shapes(
     _protocol.raise_deferred(wait=True)
 
 
+@pytest.mark.parametrize("order", [(0, 3, 1, 2), (2, 0, 3, 1)])
+def test_output_gradients_laid_out_otherwise_give_the_same_gradients(
+    order: tuple[int, ...],
+) -> None:
+    """An output gradient whose strides differ from the input's, where a size-1 dimension
+    makes the layouts hard to tell apart (``(2, 3, 1, 5)``, the gradient's memory in the
+    order of a permutation): torch's CPU backward kernel gave sums 1.7-2 off, and so did
+    syncbn's gradients, where the same gradient laid out as the input gave the right ones
+    (a fuzzer, 2026-12-07; torch's BatchNorm is wrong there too)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 1, 5, generator=generator, dtype=torch.float64)
+    dy = torch.randn(2, 3, 1, 5, generator=generator, dtype=torch.float64)
+    inverse = [order.index(dim) for dim in range(4)]
+    laid_out = dy.permute(order).contiguous().permute(inverse)
+    assert laid_out.stride() != x.stride()
+    weight = torch.rand(3, generator=generator, dtype=torch.float64).add(0.5).requires_grad_()
+    options = _autograd.TrainOptions(_autograd.LocalReducer(), _autograd.LayerInfo("", 3))
+
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        input = x.clone().requires_grad_()
+        output = _autograd.sync_batch_norm_train(input, weight, None, options)
+        return torch.autograd.grad(output, (input, weight), grad)
+
+    for got, expected in zip(gradients(laid_out), gradients(dy)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("shape", "layout"),
     [((1, 2, 2**19), "contiguous"), ((1, 2, 64, 64, 64), "channels_last"), ((2**19, 2), "rows")],
