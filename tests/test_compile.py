@@ -866,11 +866,11 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
     moments[0] = 36.0  # the count
     moments.requires_grad_()
     order = _compiled.order_token(moments.device)
-    forward_args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1)
+    forward_args = (moments, order, layer.num_batches_tracked, layer._site, "", 0.1, 1e-5, True)
     grad = torch.rand(2 * 8 + 1, dtype=torch.float64)
     ops = torch.ops.syncbn
     checks = [
-        torch.library.opcheck(ops.sync_moments.default, (*forward_args, True, _compiled.REVISION)),
+        torch.library.opcheck(ops.sync_moments.default, (*forward_args, _compiled.REVISION)),
         torch.library.opcheck(
             ops.sync_moments_backward.default,
             (grad, grad, torch.empty_like(grad), layer._site, ""),
@@ -904,7 +904,7 @@ def test_the_forward_op_skips_no_dispatch_mode_when_nothing_records() -> None:
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
     counted, revision = layer.num_batches_tracked, _compiled.REVISION
-    args = (moments, order, counted, layer._site, "", 0.1, True, revision)
+    args = (moments, order, counted, layer._site, "", 0.1, 1e-5, True, revision)
     with torch.no_grad():
         direct = torch.ops.syncbn.sync_moments.default(*args)
         with Recorder() as recorder:
@@ -924,7 +924,7 @@ def forward_op_calls(device: torch.device) -> list[str]:
     moments[0] = 36.0  # the count
     order = _compiled.order_token(moments.device)
     counted, revision = layer.num_batches_tracked, _compiled.REVISION
-    args = (moments, order, counted, layer._site, "", 0.1, True, revision)
+    args = (moments, order, counted, layer._site, "", 0.1, 1e-5, True, revision)
     calls: list[str] = []
     implementation, redispatch = _compiled._sync_moments, _compiled._redispatch
 

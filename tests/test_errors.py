@@ -384,6 +384,19 @@ def _ranks_disagree(rank: int, world_size: int, what: str, compiled: bool) -> tu
     waited there for the process group's timeout). A review, 2026-12-07."""
     torch._dynamo.reset()
     last = rank == world_size - 1
+    if what == "functional eps":  # compiled: the op's fingerprint had the default eps
+        mean = torch.zeros(3, dtype=torch.float64)
+
+        def functional(input: torch.Tensor) -> torch.Tensor:
+            return syncbn.functional.sync_batch_norm(
+                input, mean, torch.ones(3, dtype=torch.float64), training=True,
+                eps=10.0 if last else 1e-3,
+            )  # fmt: skip
+
+        run_functional = torch.compile(functional, fullgraph=True, backend="aot_eager")
+        result = outcome(run_functional, torch.randn(4, 3, 5, dtype=torch.float64))
+        assert not mean.any()  # a call whose checks fail moves nothing
+        return result
     eps = 0.1 if last and what == "eps" else 1e-5
     momentum = None if last and what == "momentum" else 0.1
     bn = syncbn.SyncBatchNorm(3, eps=eps, momentum=momentum).double()
@@ -405,8 +418,14 @@ def _ranks_disagree(rank: int, world_size: int, what: str, compiled: bool) -> tu
 
 @pytest.mark.parametrize(
     ("what", "compiled"),
-    [("eps", False), ("momentum", False), ("requires_grad", False), ("requires_grad", True)],
-    ids=["eps", "momentum", "requires_grad", "requires_grad-compiled"],
+    [
+        ("eps", False),
+        ("momentum", False),
+        ("requires_grad", False),
+        ("requires_grad", True),
+        ("functional eps", True),
+    ],
+    ids=["eps", "momentum", "requires_grad", "requires_grad-compiled", "functional-eps-compiled"],
 )
 def test_ranks_that_disagree_on_settings_or_requires_grad_raise_on_every_rank(
     pool2: WorkerPool, what: str, compiled: bool
@@ -422,6 +441,35 @@ def test_ranks_that_disagree_on_settings_or_requires_grad_raise_on_every_rank(
         else:
             assert "layer mismatch in forward" in message, (rank, message)
             assert "another eps or momentum" in message, (rank, message)
+
+
+def _settings_that_agree(rank: int, world_size: int, case: str) -> tuple[str, str]:
+    """Calls that must not raise (a review of the checks above, 2026-12-07): a forward
+    under ``torch.no_grad()`` where one rank's input requires grad (no backward can
+    follow: the eager call said it would join one), and the functional form with an eps
+    of its own, compiled on one rank and eager on the other (the compiled op's
+    fingerprint had the default eps)."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=rank == 0)
+    running_mean = torch.zeros(3, dtype=torch.float64)
+    running_var = torch.ones(3, dtype=torch.float64)
+    if case == "no_grad":
+        bn = syncbn.SyncBatchNorm(3).double()
+        with torch.no_grad():
+            return outcome(bn, x)
+
+    def functional(input: torch.Tensor) -> torch.Tensor:
+        return syncbn.functional.sync_batch_norm(
+            input, running_mean, running_var, training=True, eps=1e-3, momentum=0.2
+        )
+
+    run = torch.compile(functional, fullgraph=True, backend="aot_eager") if rank else functional
+    return outcome(run, x.detach())
+
+
+@pytest.mark.parametrize("case", ["no_grad", "functional eps, compiled and eager"])
+def test_ranks_that_agree_raise_nothing(pool2: WorkerPool, case: str) -> None:
+    assert pool2.run(_settings_that_agree, case, timeout=120.0) == [("ok", "")] * 2
 
 
 def _outside_group(rank: int, world_size: int) -> tuple[str, str]:

@@ -167,7 +167,7 @@ def test_the_compiled_ops_stay_within_their_kernel_budget(check_mode: str) -> No
 
     def forward() -> Any:
         counted, site, revision = layer.num_batches_tracked, layer._site, _compiled.REVISION
-        return _compiled._sync_moments(moments, order, counted, site, "", 0.1, True, revision)
+        return _compiled._sync_moments(moments, order, counted, site, "", 0.1, 1e-5, True, revision)
 
     def backward() -> None:
         _compiled._sync_moments_backward(moments, order, grad, layer._site, "")

@@ -244,6 +244,27 @@ def test_a_tracking_layer_without_running_statistics_normalizes_with_batch_stati
     assert first.running_mean is None and first.running_var is None
 
 
+class _GradModeRecorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1, dtype=torch.float64)
+        self.bn = syncbn.SyncBatchNorm(3).double()
+        self.grad_modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.grad_modes.append(torch.is_grad_enabled())
+        return self.bn(self.conv(x))
+
+
+def test_the_forwards_run_without_gradients() -> None:
+    """As the docstring says (``torch.no_grad()``): a change of 2026-12-07 moved the
+    decorator onto a helper by mistake (a review), and the forwards recorded graphs,
+    saving activations for a backward that never comes (memory of a training step)."""
+    model = _GradModeRecorder()
+    syncbn.recompute_statistics(model, _batches(0))
+    assert model.grad_modes and not any(model.grad_modes)
+
+
 class _KeywordCall(nn.Module):
     def __init__(self) -> None:
         super().__init__()

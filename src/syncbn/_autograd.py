@@ -66,8 +66,8 @@ __all__ = [
 
 _SAME_CALLS_RULE = (
     "every rank must call every SyncBatchNorm layer the same number of times, in the same "
-    "order, with the same number of channels (also in backward: the same layers must receive "
-    "gradients on every rank, so their inputs must agree on requires_grad)"
+    "order, with the same number of channels, eps and momentum (also in backward: the same "
+    "layers must receive gradients on every rank, so their inputs must agree on requires_grad)"
 )
 
 
@@ -914,8 +914,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         options: TrainOptions,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        if not ctx.needs_input_grad[0]:  # no backward collective: the forward tells so
-            options = options._replace(input_grad=False)
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
@@ -1023,6 +1021,12 @@ def sync_batch_norm_train(
     Returns:
         The normalized output (differentiable with respect to input, weight and bias).
     """
+    # (a non-tensor input is refused in forward_train, after joining with the error flag)
+    if not (getattr(input, "requires_grad", False) and torch.is_grad_enabled()):
+        # no backward collective will follow: the forward's fingerprint tells the other
+        # ranks (read here: inside the Function's forward, grad mode is off, and
+        # ctx.needs_input_grad says requires_grad even under torch.no_grad())
+        options = options._replace(input_grad=False)
     output: torch.Tensor = _SyncBatchNormFunction.apply(
         input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
     )

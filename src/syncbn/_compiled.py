@@ -254,14 +254,16 @@ def _options(
     num_features: int,
     momentum: float | None,
     backward: bool,
+    eps: float = 1e-5,
 ) -> TrainOptions:
     """The options of a call: from its layer (named by its ``site`` tensor), else of a
-    functional call."""
+    functional call (whose ``eps`` and ``momentum`` its fingerprint covers, as an eager
+    call's: a compiled rank's forward meets an eager one's where dynamo fell back)."""
     if site is not None:
         layer = _site(site)
         return layer.last_train_options() if backward else layer.next_train_options()
     reducer = reducer_for(distributed.group_from_name(group_name))
-    return TrainOptions(reducer, LayerInfo("", num_features), momentum=momentum)
+    return TrainOptions(reducer, LayerInfo("", num_features), eps, momentum)
 
 
 def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
@@ -285,11 +287,12 @@ def _sync_moments(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    eps: float,
     input_grad: bool,
     revision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_features = (moments.numel() - 1) // 2
-    options = _options(site, group_name, num_features, momentum, backward=False)
+    options = _options(site, group_name, num_features, momentum, backward=False, eps=eps)
     if not input_grad:  # no backward collective: the forward's fingerprint tells so
         options = options._replace(input_grad=False)
     device = moments.device
@@ -315,6 +318,7 @@ def _sync_moments_fake(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    eps: float,
     input_grad: bool,
     revision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -354,7 +358,7 @@ def _sync_moments_backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, _, site, group_name, _, _, _ = inputs
+    _, _, _, site, group_name, _, _, _, _ = inputs
     _save_rather_than_recompute()
     ctx.mark_non_differentiable(output[1], output[2])
     # an attribute, not saved for backward: the backward op only needs to find the layer
@@ -420,7 +424,7 @@ def _autograd_backward(
     grad = torch.empty_like(grad_moments)
     after = _previous_backward_output(grad, first=grad_moments)
     torch.ops.syncbn.sync_moments_backward(grad_moments, after, grad, ctx.site, ctx.group_name)
-    return grad, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None
 
 
 class _SyncMoments(torch.autograd.Function):
@@ -533,7 +537,7 @@ def _fail_forward_fake(
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     "sync_moments": (
         "(Tensor moments, Tensor order, Tensor? num_batches_tracked, Tensor? site, "
-        "str group_name, float? momentum, bool input_grad, str revision) "
+        "str group_name, float? momentum, float eps, bool input_grad, str revision) "
         "-> (Tensor, Tensor, Tensor)",
         _sync_moments,
         _sync_moments_fake,
@@ -678,6 +682,7 @@ def _exchange(
     site: torch.Tensor | None,
     group_name: str,
     momentum: float | None,
+    eps: float,
     ordered: bool,
 ) -> _composite.Exchange:
     """The ``exchange`` of :func:`syncbn._composite.batch_norm_train` in a compiled graph:
@@ -690,7 +695,15 @@ def _exchange(
         # whether the input needs a gradient, as tracing sees it (a constant of the graph)
         input_grad = moments.requires_grad and torch.is_grad_enabled()
         global_moments, update, advanced = torch.ops.syncbn.sync_moments(
-            moments, order, num_batches_tracked, site, group_name, momentum, input_grad, REVISION
+            moments,
+            order,
+            num_batches_tracked,
+            site,
+            group_name,
+            momentum,
+            eps,
+            input_grad,
+            REVISION,
         )
         if ordered:
             _advance(order, advanced)
@@ -760,7 +773,7 @@ def sync_batch_norm_train(
         weight,
         bias,
         mask,
-        _exchange(num_batches_tracked, site, group_name, momentum, ordered),
+        _exchange(num_batches_tracked, site, group_name, momentum, eps, ordered),
         eps=eps,
         running_mean=running_mean,
         running_var=running_var,

@@ -185,11 +185,11 @@ def _describe(layer: _BatchNorm, names: dict[int, str]) -> str:
     return f"{type(layer).__name__} layer '{names.get(id(layer), '?')}'"
 
 
-@torch.no_grad()
 def _holds_statistics(layer: _BatchNorm) -> bool:
     return layer.running_mean is not None and layer.running_var is not None
 
 
+@torch.no_grad()
 def recompute_statistics(
     model: nn.Module,
     batches: Iterable[Any],
