@@ -134,13 +134,14 @@ def test_rejects_non_positive_sizes(
     assert "must be positive" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_one_node(tmp_path: Path, compiled: bool) -> None:
+def test_one_node_compiled(tmp_path: Path) -> None:
+    """``--standalone``, compiled. The eager script runs in the two-node launch below
+    (every rank's statistics equal): a one-node eager launch (7 s) showed nothing more."""
     out = tmp_path / "out"
-    options = TINY + ["--out", str(out)] + (["--compile"] if compiled else [])
+    options = TINY + ["--out", str(out), "--compile"]
     output = _launch(tmp_path, _torchrun(tmp_path, "--standalone", "--nproc_per_node=2") + options)
 
-    norm = "syncbn.SyncBatchNorm, compiled," if compiled else "syncbn.SyncBatchNorm, batch"
+    norm = "syncbn.SyncBatchNorm, compiled,"
     assert output.count(f"2 processes on cpu (gloo), {norm}") == 1, output
     assert output.count("epoch 2: train loss") == 1, output  # logged by rank 0 only
     stats = _running_stats(out, world_size=2)
