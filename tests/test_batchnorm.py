@@ -271,6 +271,23 @@ def test_output_gradients_laid_out_otherwise_give_the_same_gradients(
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_output_gradients_are_copied_only_where_torch_reads_them_wrong() -> None:
+    """The copy above costs a pass over the gradient: none where the kernel reads the
+    layout right (the same layout, strides of size-1 dimensions aside; an expanded
+    gradient; an input without a size-1 dimension, as a transposed ``(N, L, C)`` batch)."""
+    from syncbn._kernels.generic import _laid_out_like
+
+    transposed = torch.randn(4, 7, 3).transpose(1, 2)
+    unambiguous = torch.randn(4, 3, 7)
+    assert _laid_out_like(unambiguous, transposed) is unambiguous
+    x = torch.randn(2, 3, 1, 5)
+    assert _laid_out_like(torch.ones(1).expand(2, 3, 1, 5), x).stride() == (0, 0, 0, 0)
+    same = torch.randn(2, 3, 5).unsqueeze(2)  # strides (15, 5, 1, 1): only H's differs
+    assert _laid_out_like(same, x) is same
+    other = torch.randn(2, 5, 3).permute(0, 2, 1).unsqueeze(2)
+    assert _laid_out_like(other, x).stride() == x.stride()
+
+
 @pytest.mark.parametrize(
     ("shape", "layout"),
     [((1, 2, 2**19), "contiguous"), ((1, 2, 64, 64, 64), "channels_last"), ((2**19, 2), "rows")],

@@ -695,14 +695,19 @@ def _laid_out_like(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tens
     laid out otherwise where a size-1 dimension makes the layouts hard to tell apart: a
     contiguous ``(2, 3, 1, 5)`` input with a gradient of strides ``(15, 1, 1, 3)`` (channels
     last, its size-1 dimension's stride 1) gave gradients 6.4 off, with torch's BatchNorm
-    too (a fuzzer, 2026-12-07). Gradients laid out as the input, the usual case, pass as
-    they are; an expanded one the kernel reads right.
+    too (a fuzzer, 2026-12-07). Gradients laid out as the input (the usual case), an
+    expanded one, and any layout of an input without a size-1 dimension (a transposed
+    ``(N, L, C)`` batch with a contiguous gradient, say) the kernel reads right: they pass
+    as they are, with no copy.
     """
-    strides = grad_output.stride()
-    if strides == input.stride():
+    strides, input_strides = grad_output.stride(), input.stride()
+    if strides == input_strides or 1 not in input.shape:  # (no ambiguity, no such error)
         return grad_output
-    if any(stride == 0 and size > 1 for size, stride in zip(grad_output.shape, strides)):
-        return grad_output
+    sizes = input.shape
+    if all(a == b or size == 1 for size, a, b in zip(sizes, strides, input_strides)):
+        return grad_output  # the same layout: only size-1 dimensions' strides differ
+    if any(stride == 0 and size > 1 for size, stride in zip(sizes, strides)):
+        return grad_output  # expanded
     return torch.empty_like(input, dtype=grad_output.dtype).copy_(grad_output)
 
 
