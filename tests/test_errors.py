@@ -261,6 +261,15 @@ def test_gradcheck_at_world_size_one(pool2: WorkerPool) -> None:
     assert pool2.run(_gradcheck_alone) == [True, True]
 
 
+def _assert_in_step(bn: torch.nn.Module) -> None:
+    """After a scenario's error: a float64 training step of ``bn`` on every rank passes
+    (a rank left out of step would pair its collectives with the wrong calls)."""
+    assert outcome(lambda: bn(torch.randn(2, 3, dtype=torch.float64)).sum().backward()) == (
+        "ok",
+        "",
+    )
+
+
 def _double_backward(rank: int, world_size: int, head_trainable: bool) -> tuple[str, str]:
     """A gradient penalty through a masked synchronized layer, whose output feeds a
     trainable or a frozen head (with a frozen one the output gradient needs no grad, and
@@ -278,12 +287,8 @@ def _double_backward(rank: int, world_size: int, head_trainable: bool) -> tuple[
         gradient.pow(2).sum().backward()
 
     result = outcome(penalty)
-    # every rank raised before the collective and joined it with the error flag: the
-    # group is still in step
-    assert outcome(lambda: bn(torch.randn(2, 3, dtype=torch.float64)).sum().backward()) == (
-        "ok",
-        "",
-    )
+    # every rank raised before the collective and joined it with the error flag
+    _assert_in_step(bn)
     return result
 
 
@@ -358,11 +363,7 @@ def _one_rank_fails_in_backward(rank: int, world_size: int, where: str) -> tuple
         gradient.pow(2).sum().backward()
 
     result = outcome(step)
-    # the failing rank joined the collective with the error flag: the group is in step
-    assert outcome(lambda: bn(torch.randn(2, 3, dtype=torch.float64)).sum().backward()) == (
-        "ok",
-        "",
-    )
+    _assert_in_step(bn)  # the failing rank joined the collective with the error flag
     return result
 
 
