@@ -15,6 +15,7 @@ import contextlib
 import copy
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -712,6 +713,22 @@ def test_a_site_tensor_is_found_by_alias_without_a_host_read() -> None:
         on_meta = syncbn.SyncBatchNorm(3)
     assert on_meta._site.is_meta
     assert all(device.type != "meta" for device, _ in _compiled._site_tensors)
+
+
+def test_layers_built_under_fake_tensor_mode_register_no_address() -> None:
+    """A fake site tensor (a model built under ``FakeTensorMode``, as memory estimators
+    build one) has no address: reading it warned (deprecated, to become an error) and put
+    every such layer at one key of the address registry. Its forwards run fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = dict(_compiled._site_tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            layers = [syncbn.SyncBatchNorm(3), syncbn.SyncBatchNorm(3).eval()]
+            outputs = [layer(torch.randn(2, 3, 4, 4)) for layer in layers]
+    assert dict(_compiled._site_tensors) == before
+    assert [tuple(output.shape) for output in outputs] == [(2, 3, 4, 4)] * 2
 
 
 _FUNCTIONAL_IN_A_FRESH_PROCESS = """

@@ -151,6 +151,17 @@ def test_revert_picks_the_class_from_the_last_input(
     assert reverted.weight is layer.weight and reverted.running_var is layer.running_var
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_revert_ignores_an_input_the_layer_refused(training: bool) -> None:
+    """The class comes from the last input a call ran on: a refused 3-D call (5 channels
+    for 4) after 4-D ones made a BatchNorm1d, which then refused the model's inputs."""
+    layer = syncbn.SyncBatchNorm(4).train(training)
+    layer(torch.randn(2, 4, 3, 3))
+    with pytest.raises(ValueError, match="expected input with 4 channels"):
+        layer(torch.randn(2, 5, 8))
+    assert type(syncbn.revert_sync_batchnorm(layer)) is nn.BatchNorm2d
+
+
 def test_round_trip_keeps_state_dict_identical() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm1d(4))

@@ -132,7 +132,9 @@ def site_tensor(site: SyncSite, device: torch.device, key: int | None = None) ->
         tensor = torch.full((1,), key, dtype=torch.int64, device=device)
     tensor._syncbn_site_key = key  # type: ignore[attr-defined]
     tensor._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
-    if device.type != "meta":  # (no storage, no address: never run)
+    # a meta tensor (no storage, never run) or a fake one (built under FakeTensorMode, as
+    # memory estimators do: its address is not one, and reading it warns) has no address
+    if device.type != "meta" and type(tensor) is torch.Tensor:
         _site_tensors[tensor.device, tensor.data_ptr()] = tensor
     return tensor
 

@@ -337,11 +337,20 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             except RuntimeError:
                 self._join_forward_with_error(input, compiling)
                 raise
-        if not compiling and isinstance(input, torch.Tensor):  # (else: refused in its path)
-            # a side effect dynamo refuses inside checkpointing; a plain attribute, set past
+        output = self._forward(input, mask, compiling)
+        if not compiling:
+            # the rank of an input the layer ran on (one it refused raised above: a revert
+            # picked BatchNorm1d for a 4-D model after a refused 3-D call); a side effect
+            # dynamo refuses inside checkpointing; a plain attribute, set past
             # torch.nn.Module.__setattr__ (microseconds per call, looking for a parameter,
             # buffer or module of that name)
             self.__dict__["last_input_dim"] = input.dim()
+        return output
+
+    def _forward(
+        self, input: torch.Tensor, mask: torch.Tensor | None, compiling: bool
+    ) -> torch.Tensor:
+        """:meth:`forward` past the block's mask: eval, local or synchronized training."""
         if not self.training:
             return self._eval_forward(input, mask)
         synchronized = self._synchronizes()

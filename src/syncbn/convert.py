@@ -174,7 +174,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     it replaced (``BatchNorm2d``, a ``torch.nn.SyncBatchNorm``, a registered subclass
     through its converter's ``to_plain``), whether or not it saw an input since. A
     SyncBatchNorm built directly becomes ``BatchNorm1d``, ``2d`` or ``3d`` according
-    to the rank of the last input it saw (2 or 3 dims, 4, 5), or :class:`BatchNormNd`
+    to the rank of the last input it ran on (2 or 3 dims, 4, 5), or :class:`BatchNormNd`
     if it never saw an input; a subclass built directly whose ``forward`` adds to
     SyncBatchNorm's is left as it is, with a warning, and so is a layer whose weight or
     bias is computed by hooks (the hook-based ``weight_norm``). The new layer shares the

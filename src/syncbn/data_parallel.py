@@ -600,7 +600,7 @@ def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | No
             return sync_class
     if isinstance(module, SyncBatchNorm):
         # the twin of the class revert_sync_batchnorm gives it: the class it replaced, or by
-        # the rank of the last input it saw (BatchNormNd for none: one that ran only in
+        # the rank of the last input it ran on (BatchNormNd for none: one that ran only in
         # replicas)
         original = module._original_class
         for plain_class, sync_class in _CONVERSIONS:
@@ -659,7 +659,7 @@ def convert_model(module: nn.Module) -> nn.Module:
     keeping its training mode, device, dtype, ``eps``, ``momentum``, ``affine`` and
     ``track_running_stats``. A :class:`syncbn.SyncBatchNorm` becomes the twin of the class
     it was converted from (its ``sync_timeout`` too, for a SynchronizedBatchNorm), else of
-    the rank of the last input it saw, or :class:`SynchronizedBatchNormNd` where it saw
+    the rank of the last input it ran on, or :class:`SynchronizedBatchNormNd` where it saw
     none (one that ran only in DataParallel's replicas), as a :class:`syncbn.BatchNormNd`
     does. A
     subclass that overrides ``forward``, a layer whose weight or bias is computed by hooks
