@@ -25,6 +25,7 @@ allocator; the no-trim columns are evidence.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -177,7 +178,8 @@ def _measure_without_trimming() -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(out: Path = HERE) -> None:
+    """Measure, then write ``compute.md`` and ``compute.json`` into ``out``."""
     rows = _measure_all()
     for row, no_trim in zip(rows, _measure_without_trimming()):
         row["no_trim"] = {key: no_trim[key] for key in _MEASURED}
@@ -188,7 +190,7 @@ def main() -> None:
         "torch": torch.__version__,
         "no_trim_env": NO_TRIM_ENV,
     }
-    (HERE / "compute.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "compute.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         "# SyncBatchNorm compute per layer call (no transport)",
         "",
@@ -223,12 +225,22 @@ def main() -> None:
             f"| {no_trim['batchnorm_ms']:.3f} | {no_trim['syncbn_ms']:.3f} "
             f"| {no_trim['syncbn_over_batchnorm']:.2f}x |"
         )
-    (HERE / "compute.md").write_text("\n".join(lines) + "\n")
+    (out / "compute.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--child"]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE,
+        help="folder for compute.md and compute.json (default: benchmarks/, the committed files)",
+    )
+    # the no-trim control's child process: measure and print the rows as JSON
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
         print(json.dumps(_measure_all()))
     else:
-        main()
+        main(args.out)

@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -112,6 +114,41 @@ def test_bench_checks_json_before_measuring(
     assert "argument --json: " in capsys.readouterr().err
     assert _run_bench(["--json", str(tmp_path / "missing" / "out.json")]) == 2
     assert "is not a writable folder" in capsys.readouterr().err
+    # a name the file system refuses (the folder is writable): was a traceback at the end
+    assert _run_bench(["--json", str(tmp_path / ("a" * 300 + ".json"))]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    # the check creates nothing, and leaves a file that exists as it was
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    bench._check_writable(str(existing))
+    bench._check_writable(str(tmp_path / "new.json"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["old.json"]
+    assert existing.read_text() == "kept"
+
+
+def test_bench_stops_on_sigterm_as_on_ctrl_c(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (``timeout``, a job scheduler) ends ``syncbn bench`` as Ctrl-C does: 130,
+    after the launcher stopped the ranks; it was killed by the signal (143), and each rank
+    reported that its parent had ended."""
+
+    def terminated(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises KeyboardInterrupt here
+        raise AssertionError("SIGTERM was not turned into KeyboardInterrupt")
+
+    def unhandled(signum: int, frame: Any) -> None:  # (what bench's own handler replaces)
+        raise AssertionError("syncbn bench left SIGTERM to the handler before it")
+
+    monkeypatch.setattr(launch, "run_on_ranks", terminated)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert _run_bench(["--shapes", "2x2"]) == 130
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "interrupted" in capsys.readouterr().err
 
 
 def test_bench_reports_a_failed_rank_in_one_line(
@@ -371,6 +408,41 @@ def test_compute_case_times_both_variants_and_counts_faults(
     assert row["syncbn_over_floor"] == pytest.approx(row["syncbn_ms"] / row["floor_ms"])
     assert row["batchnorm_faults_per_call"] >= 0 and row["syncbn_faults_per_call"] >= 0
     assert set(compute._MEASURED) <= set(row)
+
+
+_EVERY_SCRIPTS_HELP = """
+import contextlib, io, runpy, sys
+from pathlib import Path
+for script in sorted(Path(sys.argv[1]).glob("*.py")):
+    if '__name__ == "__main__"' not in script.read_text():
+        continue  # a module the scripts import
+    sys.argv = [str(script), "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+            code = "no exit"
+        except SystemExit as exit_:
+            code = exit_.code
+    print(script.name, code, "usage:" in out.getvalue())
+"""
+
+
+def test_every_benchmark_script_answers_help_without_measuring() -> None:
+    """``--help`` prints usage and exits 0: compute.py had no parser, so ``--help`` started
+    its 3-minute run and rewrote the committed results."""
+    result = subprocess.run(
+        [sys.executable, "-c", _EVERY_SCRIPTS_HELP, str(BENCHMARKS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCHMARKS,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), *sys.path])},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) >= 10 and "compute.py 0 True" in lines, lines
+    assert all(line.endswith(" 0 True") for line in lines), lines
 
 
 def _short_median_ms(fn: Any) -> float:

@@ -401,7 +401,9 @@ def test_eval_without_running_statistics_refuses_a_single_valid_position() -> No
         layer(torch.randn(1, 3, 1))
     mask = torch.zeros(2, 4, dtype=torch.bool)
     mask[1, 2] = True
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+    # a process alone: no "across all 1 ranks"
+    alone = r"Expected more than 1 value per channel when training, got 1 value per channel "
+    with pytest.raises(ValueError, match=alone + r"\(input size \[2, 3, 4\]\)$"):
         layer(torch.randn(2, 3, 4), mask)
     mask[0, 0] = True  # two valid positions: fine
     assert layer(torch.randn(2, 3, 4), mask).shape == (2, 3, 4)

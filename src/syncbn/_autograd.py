@@ -15,6 +15,7 @@ and the running statistics are updated with device-side factors.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple, Protocol
@@ -136,6 +137,24 @@ def input_problem(
             masked), refused where torch's batch norm refuses it, and whose per-channel
             tensors must then be ``(C,)`` vectors; or ``None``, not checked.
     """
+    if torch.jit.is_tracing():
+        # torch.jit.trace records sizes as tensors, and comparing them warns that the trace
+        # might not generalize; these checks compare channel counts, which a trace fixes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return _input_problem(input, num_features, param_device, layer_kind, parameters, eps)
+    return _input_problem(input, num_features, param_device, layer_kind, parameters, eps)
+
+
+def _input_problem(
+    input: torch.Tensor,
+    num_features: int | None,
+    param_device: torch.device | None,
+    layer_kind: str,
+    parameters: tuple[torch.Tensor | None, ...],
+    eps: float | None,
+) -> Exception | None:
+    """:func:`input_problem`'s checks."""
     if not isinstance(input, torch.Tensor):
         return TypeError(f"{layer_kind}: expected input to be a Tensor, got {type(input).__name__}")
     if input.dim() < 2:

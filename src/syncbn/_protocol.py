@@ -597,13 +597,13 @@ class HeaderCheck(NamedTuple):
                 "convert_sync_batchnorm)."
             )
         if self.phase == "forward" and header.global_count == 1:
-            here = (
-                "" if self.input_size is None else f"input size {list(self.input_size)} here and "
-            )
-            return ValueError(
-                "Expected more than 1 value per channel when training, got "
-                f"{here}1 value per channel across all {self.world_size} {self.participants}"
-            )
+            size = None if self.input_size is None else list(self.input_size)
+            if self.world_size == 1:  # a process alone (a masked call, or the path forced)
+                got = "1 value per channel" + ("" if size is None else f" (input size {size})")
+            else:
+                here = "" if size is None else f"input size {size} here and "
+                got = f"{here}1 value per channel across all {self.world_size} {self.participants}"
+            return ValueError(f"Expected more than 1 value per channel when training, got {got}")
         return None
 
 

@@ -179,14 +179,27 @@ def _bench_rank(
 
 
 def _check_writable(path: str) -> None:
-    """Raise a usage error unless a file can be written at ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
+    """Raise a usage error unless a file can be written at ``path``: tried, as a folder
+    such as ``/proc`` passes ``os.access`` and a name may be too long for the file system
+    (both failed with a traceback after the whole measurement). A file that did not exist
+    is removed again."""
     if os.path.isdir(path):
         raise argparse.ArgumentError(None, f"argument --json: '{path}' is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise argparse.ArgumentError(
             None, f"argument --json: cannot write '{path}': '{folder}' is not a writable folder"
         )
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):  # (appends nothing: an existing file is left as it is)
+            pass
+    except OSError as error:
+        raise argparse.ArgumentError(
+            None, f"argument --json: cannot write '{path}': {error.strerror or error}"
+        ) from None
+    if not existed:
+        os.remove(path)
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -201,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from syncbn._cli.launch import RankError, run_on_ranks
+    from syncbn._cli.launch import RankError, run_on_ranks, sigterm_as_interrupt
     from syncbn._cli.measure import machine_info
 
     device_type = args.device
@@ -222,16 +235,17 @@ def run(args: argparse.Namespace) -> int:
         f"torch {info['torch']}, forward+backward, float32, medians in ms"
     )
     try:
-        results = run_on_ranks(
-            _bench_rank,
-            args.world_size,
-            shapes,
-            args.repeats,
-            args.min_time,
-            device_type,
-            backend=backend,
-            timeout=TIMEOUT,
-        )
+        with sigterm_as_interrupt():  # stopped as by Ctrl-C: exit code 130
+            results = run_on_ranks(
+                _bench_rank,
+                args.world_size,
+                shapes,
+                args.repeats,
+                args.min_time,
+                device_type,
+                backend=backend,
+                timeout=TIMEOUT,
+            )
     except RankError as error:
         print(f"syncbn bench: error: {error}; stopped every rank", file=sys.stderr)
         return 1
@@ -268,8 +282,12 @@ def run(args: argparse.Namespace) -> int:
             "min_block_time_s": args.min_time,
             "results": rows,
         }
-        with open(args.json, "w") as file:
-            json.dump(record, file, indent=2)
-            file.write("\n")
+        try:
+            with open(args.json, "w") as file:
+                json.dump(record, file, indent=2)
+                file.write("\n")
+        except OSError as error:  # the path changed while the ranks measured
+            print(f"syncbn bench: error: cannot write '{args.json}': {error}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     return 0

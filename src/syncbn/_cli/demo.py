@@ -16,17 +16,14 @@ returns. torch, numpy and scikit-learn are imported when the demo runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from syncbn._cli.demo_config import RUNS, DemoConfig, DemoData
@@ -231,23 +228,6 @@ def load_data(seed: int) -> DemoData:
     return DemoData(train_x, train_y.astype("int64"), test_x, test_y.astype("int64"))
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while the ranks run (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _train_on_ranks(
     config: DemoConfig, data: DemoData, workdir: str, on_start: Callable[[list[int]], None] | None
 ) -> dict[str, Any]:
@@ -320,8 +300,10 @@ def run_demo(
             f"the {len(data.train_y)} training images"
         )
     _make_out(out)
+    from syncbn._cli.launch import sigterm_as_interrupt
+
     with tempfile.TemporaryDirectory(prefix="syncbn-demo-") as workdir:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             ranks_results = _train_on_ranks(config, data, workdir, on_start)
     text = json.dumps(ranks_results)
     results: dict[str, Any] = json.loads(text)  # what results.json holds, JSON types

@@ -22,18 +22,20 @@ torch is imported inside the functions, so importing this module is cheap (the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ __all__ = [
     "launch",
     "loopback_interface",
     "run_on_ranks",
+    "sigterm_as_interrupt",
     "stop",
 ]
 
@@ -379,3 +382,22 @@ def run_on_ranks(
     if any(outcome.status != "ok" for outcome in outcomes):
         raise TimeoutError(f"{world_size} ranks did not finish within {timeout or 0:.0f} s")
     return [outcome.value for outcome in outcomes]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while the ranks run (main thread only), so that
+    ``timeout``, a job scheduler or ``kill`` stop the ranks and end the command as Ctrl-C
+    does (exit code 130), with nothing left running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
