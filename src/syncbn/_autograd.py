@@ -137,7 +137,7 @@ def input_problem(
             masked), refused where torch's batch norm refuses it, and whose per-channel
             tensors must then be ``(C,)`` vectors; or ``None``, not checked.
     """
-    if torch.jit.is_tracing():
+    if not is_tracing() and torch.jit.is_tracing():  # (dynamo's check first: traceable)
         # torch.jit.trace records sizes as tensors, and comparing them warns that the trace
         # might not generalize; these checks compare channel counts, which a trace fixes
         with warnings.catch_warnings():
