@@ -194,18 +194,44 @@ def test_killed_rank_makes_the_survivors_fail_in_bounded_time() -> None:
 
 #: where :func:`_non_finite` puts the value in channel 1 of rank 0's batch: its first value
 #: (which the local sums were once shifted by: an inf there gave a NaN running mean where
-#: BatchNorm's is inf) or another
-_NON_FINITE_AT = {"first": (0, 1, 0), "inner": (1, 1, 0)}
+#: BatchNorm's is inf), another, or the row that all 9 samples of a 4-row ``(N, C)`` batch's
+#: shift read (an inf there was the shift: inf - inf made the sums NaN)
+_NON_FINITE_AT = {"first": (0, 1, 0), "inner": (1, 1, 0), "sampled": (1, 1)}
 
 
-def _non_finite(rank: int, world_size: int, value: float, at: str) -> dict[str, torch.Tensor]:
-    x = torch.arange(24, dtype=torch.float64).reshape(4, 3, 2) / 7.0
+def _non_finite_batches(at: str) -> list[torch.Tensor]:
+    """A batch of each rank, then another (finite) for a second call."""
+    x = torch.arange(24, dtype=torch.float64) / 7.0
+    x = x[:12].reshape(4, 3) if at == "sampled" else x.reshape(4, 3, 2)
+    return [x, x.flip(0) + 1.0]
+
+
+#: the layers' momenta: a cumulative average's first factor is 1 (lerp made an infinite
+#: target NaN with a factor of 0.5 or more)
+_MOMENTA = (0.1, None)
+
+
+def _non_finite_calls(
+    layer: nn.modules.batchnorm._BatchNorm, first: torch.Tensor, second: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Two calls, the second finite; the output of the first, and the running statistics
+    after each (torch's moves an infinite running mean towards a finite one to inf)."""
+    result = {"output": layer(first).detach()}
+    for suffix, batch in (("", None), (" 2", second)):
+        if batch is not None:
+            layer(batch)
+        assert layer.running_mean is not None and layer.running_var is not None
+        result[f"mean{suffix}"] = layer.running_mean.clone()
+        result[f"var{suffix}"] = layer.running_var.clone()
+    return result
+
+
+def _non_finite(rank: int, world_size: int, value: float, at: str) -> list[dict[str, torch.Tensor]]:
+    first, second = _non_finite_batches(at)
     if rank == 0:
-        x[_NON_FINITE_AT[at]] = value
-    bn = syncbn.SyncBatchNorm(3, dtype=torch.float64)
-    y = bn(x)
-    assert bn.running_mean is not None and bn.running_var is not None
-    return {"output": y.detach(), "mean": bn.running_mean.clone(), "var": bn.running_var.clone()}
+        first[_NON_FINITE_AT[at]] = value
+    layers = [syncbn.SyncBatchNorm(3, momentum=m, dtype=torch.float64) for m in _MOMENTA]
+    return [_non_finite_calls(layer, first, second) for layer in layers]
 
 
 @pytest.mark.parametrize("at", sorted(_NON_FINITE_AT))
@@ -213,23 +239,26 @@ def _non_finite(rank: int, world_size: int, value: float, at: str) -> dict[str, 
 def test_non_finite_input_gives_batchnorm_pattern_without_hang(
     pool: WorkerPool, value: float, at: str
 ) -> None:
+    """The NaN and inf of BatchNorm on the global batch, in the output and in the running
+    statistics, after the call and after a finite one."""
     results = pool.run(_non_finite, value, at)
-    x = torch.arange(24, dtype=torch.float64).reshape(4, 3, 2) / 7.0
-    global_x = x.repeat(pool.world_size, 1, 1)
-    global_x[_NON_FINITE_AT[at]] = value
-    reference = nn.BatchNorm1d(3, dtype=torch.float64)
-    expected = reference(global_x).detach()
-    output = torch.cat([r["output"] for r in results])
-    assert torch.equal(output.isnan(), expected.isnan())
-    assert torch.equal(output.isinf(), expected.isinf())
-    finite = expected.isfinite()
-    torch.testing.assert_close(output[finite], expected[finite])
-    for result in results:
-        for key, ref in (("mean", reference.running_mean), ("var", reference.running_var)):
-            assert ref is not None, key
-            assert torch.equal(result[key].isnan(), ref.isnan()), key
-            number = ~ref.isnan()  # finite values, and infinities of the same sign
-            torch.testing.assert_close(result[key][number], ref[number])
+    batches = _non_finite_batches(at)
+    first, second = (x.repeat((pool.world_size,) + (1,) * (x.dim() - 1)) for x in batches)
+    first[_NON_FINITE_AT[at]] = value
+    for index, momentum in enumerate(_MOMENTA):
+        reference = nn.BatchNorm1d(3, momentum=momentum, dtype=torch.float64)
+        expected = _non_finite_calls(reference, first, second)
+        output = torch.cat([ranks[index]["output"] for ranks in results])
+        assert torch.equal(output.isnan(), expected["output"].isnan())
+        assert torch.equal(output.isinf(), expected["output"].isinf())
+        finite = expected["output"].isfinite()
+        torch.testing.assert_close(output[finite], expected["output"][finite])
+        for ranks in results:
+            for key in ("mean", "var", "mean 2", "var 2"):
+                got, ref = ranks[index][key], expected[key]
+                assert torch.equal(got.isnan(), ref.isnan()), (momentum, key, got, ref)
+                number = ~ref.isnan()  # finite values, and infinities of the same sign
+                torch.testing.assert_close(got[number], ref[number])
 
 
 # --- consistency ---

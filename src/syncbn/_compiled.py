@@ -204,7 +204,7 @@ _proxy_mode: Callable[[], Any] = (
 #: the activation-checkpointing policy that torch's partitioner reads from a node's
 #: ``recompute`` meta, or None where syncbn leaves its op to be recomputed. Used from torch
 #: 2.9: before it the partitioner also replays a checkpointed region's buffer mutations in
-#: the backward graph (``lerp`` and ``copy_`` into the running statistics, from the saved
+#: the backward graph (the in-place updates of the running statistics, from the saved
 #: update), so with the op's outputs saved the running statistics moved twice per step
 #: (measured on torch 2.5-2.8, as README and CHANGELOG say; 2.4 is gated with them); a
 #: recomputed op returns an update of zeros instead

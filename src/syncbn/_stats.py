@@ -122,21 +122,32 @@ def update_running_stats(
 ) -> None:
     """Move the running statistics towards the global mean and unbiased variance, in place.
 
+    As torch's batch norm moves them: ``target * factor + running * (1 - factor)``,
+    computed in the targets' dtype and rounded once into the buffer. ``lerp``, used before,
+    made an infinite statistic NaN (``running + factor * (target - running)``, or for a
+    factor of 0.5 or more ``target - (1 - factor) * (target - running)``): an infinite
+    running mean moved towards a finite one, or a finite one towards an infinite one with a
+    factor of 0.5 or more (a cumulative average's first batch has factor 1); torch's stays
+    infinite.
+
     Args:
+        mean, unbiased_var: the targets, in the statistics dtype (or the buffers').
         factor: the momentum of this update, a number or a 0-dim tensor; 0 where nothing
             may move (a global batch of fewer than 2 values per channel, a call whose
             deferred checks failed), which the caller has decided.
     """
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
-    if running_mean is not None:
-        buffer_factor = _like(factor, running_mean)
-        running_mean.lerp_(mean.to(running_mean.dtype), buffer_factor)
-    if running_var is not None:
-        # the factor is converted once when both buffers have one dtype (a kernel on a GPU)
-        if running_mean is None or running_mean.dtype != running_var.dtype:
-            buffer_factor = _like(factor, running_var)
-        running_var.lerp_(unbiased_var.to(running_var.dtype), buffer_factor)
+    # on the device, 1 - factor in one kernel for both buffers
+    keep = torch.rsub(factor, 1.0) if isinstance(factor, torch.Tensor) else 1.0 - factor
+    for running, target in ((running_mean, mean), (running_var, unbiased_var)):
+        if running is None:
+            continue
+        # two kernels: the product, then the sum written (and rounded) into the buffer
+        if isinstance(keep, torch.Tensor):
+            torch.addcmul(target * factor, running, keep, out=running)
+        else:
+            torch.add(target * factor, running, alpha=keep, out=running)
 
 
 def unbiased(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
@@ -145,7 +156,3 @@ def unbiased(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     if isinstance(count, torch.Tensor):
         return var * (count / (count - 1).clamp(min=1))
     return var * (count / (count - 1)) if count > 1 else var
-
-
-def _like(factor: float | torch.Tensor, target: torch.Tensor) -> float | torch.Tensor:
-    return factor.to(target.dtype) if isinstance(factor, torch.Tensor) else factor

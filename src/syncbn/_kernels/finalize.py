@@ -299,13 +299,12 @@ def finalize_backward(
 
 @triton.jit
 def _moved(start, end, factor, WIDE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """torch's ``lerp``: in float64 for float64 buffers, else in float32 (its opmath)."""
-    if WIDE:
-        start, end = start.to(tl.float64), end.to(tl.float64)
-    else:
-        start, end = start.to(tl.float32), end.to(tl.float32)
-    step = end - start
-    return tl.where(tl.abs(factor) < 0.5, start + factor * step, end - step * (1.0 - factor))
+    """:func:`syncbn._stats.update_running_stats`: ``end * factor + start * (1 - factor)``
+    in float64 for float64 buffers, else in float32 (torch's opmath), rounded once when
+    stored; an infinite statistic stays infinite, as in torch's batch norm."""
+    opmath = tl.float64 if WIDE else tl.float32
+    factor = factor.to(opmath)
+    return end.to(opmath) * factor + start.to(opmath) * (1.0 - factor)
 
 
 @triton.jit(do_not_specialize=["num_channels", "shift_stride", "world_size", "fingerprint"])
@@ -421,14 +420,13 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
         tl.store(saved + 3 * num_channels + channel, row, mask=inside)
         tl.store(offset + channel, shifted_offset.to(stat_type), mask=inside)
         if UPDATE_RUNNING:
-            # syncbn._stats.update_running_stats: the targets in the statistics dtype, then in
-            # the buffers' dtype
+            # syncbn._stats.update_running_stats: the targets in the statistics dtype
             start = tl.load(running_mean + channel, mask=inside, other=0.0)
-            end = mean.to(stat_type).to(running_type)
+            end = mean.to(stat_type)
             moved = _moved(start, end, factor, WIDE_RUNNING)
             tl.store(running_mean + channel, moved.to(running_type), mask=inside)
             start = tl.load(running_var + channel, mask=inside, other=0.0)
-            end = unbiased_var.to(stat_type).to(running_type)
+            end = unbiased_var.to(stat_type)
             moved = _moved(start, end, factor, WIDE_RUNNING)
             tl.store(running_var + channel, moved.to(running_type), mask=inside)
     if COUNT_BATCH:

@@ -270,7 +270,8 @@ def sample_shift(
     and a single value may lie ``sqrt(n)`` standard deviations from the mean of ``n``
     values: when the shift was the batch's first value, a ``(32, 4, 64, 64)`` batch whose
     first value was 3000 standard deviations out gave an output error of 2.65. The ninther
-    is one of the data's values, within their bulk unless 4 of the 9 are outliers.
+    is one of the data's values, within their bulk unless 4 of the 9 are outliers; 0 where
+    it is not finite.
 
     Args:
         valid: ``(N, 1, *)`` bool, True at valid positions, or ``None``: padded positions
@@ -288,7 +289,10 @@ def sample_shift(
         if fallback is None:
             raise ValueError("sample_shift: a mask needs a fallback value")
         values = torch.where(read(valid, lattice), values, fallback)
-    return ninther(values)
+    # a channel whose median is not finite (an inf among a small batch's values, where the
+    # 9 samples repeat one position) is shifted by 0: inf - inf made its sums NaN, where
+    # torch's batch norm has an infinite mean (its data are not finite either way)
+    return ninther(values).nan_to_num_(0.0, 0.0, 0.0)
 
 
 def _sample_view(

@@ -577,5 +577,7 @@ def _shift_kernel(input, valid, fallback, shift, num_channels, channel_stride, o
                              offset + 2 * group_step, member_step,
                              valid_offset + 2 * valid_group_step, valid_member_step, MASKED)
     median = _median_of_3(first, second, third)
+    # 0 where it is not finite (inf - inf is NaN), as syncbn._kernels.generic.sample_shift
+    median = tl.where(median - median == 0.0, median, 0.0)
     tl.store(shift + channel, median.to(shift.dtype.element_ty), mask=inside)
 # fmt: on
