@@ -237,10 +237,12 @@ def _non_finite(rank: int, world_size: int, value: float, at: str) -> list[dict[
 @pytest.mark.parametrize("at", sorted(_NON_FINITE_AT))
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_gives_batchnorm_pattern_without_hang(
-    pool: WorkerPool, value: float, at: str
+    pool2: WorkerPool, value: float, at: str
 ) -> None:
     """The NaN and inf of BatchNorm on the global batch, in the output and in the running
-    statistics, after the call and after a finite one."""
+    statistics, after the call and after a finite one (on 2 ranks: 3 add nothing here, and
+    the suite's time is near its bar)."""
+    pool = pool2
     results = pool.run(_non_finite, value, at)
     batches = _non_finite_batches(at)
     first, second = (x.repeat((pool.world_size,) + (1,) * (x.dim() - 1)) for x in batches)
