@@ -110,6 +110,22 @@ def test_layers_that_saw_too_little_keep_their_statistics() -> None:
         syncbn.recompute_statistics(model, [], num_batches=-1)
 
 
+def test_batches_of_one_sample_and_an_untracked_layer() -> None:
+    """A batch of one sample (or none) adds to a tracked layer's moments; a layer that
+    tracks no running statistics normalizes each batch with its own, as in training and
+    eval, and refuses one value per channel with torch's error (README says so)."""
+    batches = [torch.randn(4, 3), torch.randn(1, 3), torch.randn(0, 3)]
+    tracked = nn.BatchNorm1d(3)
+    syncbn.recompute_statistics(nn.Sequential(tracked), batches)
+    data = torch.cat(batches)
+    assert tracked.running_mean is not None and tracked.running_var is not None
+    torch.testing.assert_close(tracked.running_mean, data.mean(0))
+    torch.testing.assert_close(tracked.running_var, data.var(0))
+    untracked = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3, track_running_stats=False))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        syncbn.recompute_statistics(untracked, batches)
+
+
 class _BatchNormReLU(nn.BatchNorm2d):
     """Like timm's BatchNormAct2d: a BatchNorm subclass whose forward adds an activation."""
 

@@ -219,7 +219,10 @@ def recompute_statistics(
     not a DistributedDataParallel wrapper (whose forward broadcasts buffers, a
     collective per batch). A layer that saw
     fewer than 2 values per channel in total keeps its statistics, with a warning. A
-    batch of one sample (or none) is valid on any rank.
+    batch of one sample (or none) is valid on any rank, unless the model also has a layer
+    that tracks no running statistics: that one normalizes each batch with its own
+    statistics, here as in training and eval, and refuses one value per channel as torch's
+    layers do.
 
     An exception on one rank while it runs its batches joins the final collective with
     an error flag and is re-raised; the other ranks then raise a ``RuntimeError`` once
