@@ -324,16 +324,36 @@ def _with_explicit_group(rank: int, world_size: int) -> dict[str, Any]:
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     x = torch.randn(2 + rank, 3, 8, 8, dtype=torch.float64)
     outputs = [run(x) for run in (eager, compiled)]
-    return {"outputs": outputs, "states": [eager.state_dict(), compiled_model.state_dict()]}
+    # a group of one rank, then the layer's group set to the whole world: the graph traced
+    # with the first must synchronize over the second (it stayed local, silently)
+    alone, _ = dist.new_subgroups(1)
+    switched = syncbn.SyncBatchNorm(3, affine=False, process_group=alone).double()
+    compiled_layer = torch.compile(switched, fullgraph=True, backend="aot_eager")
+    alone_output = compiled_layer(x)
+    switched.process_group = group
+    reference = syncbn.SyncBatchNorm(3, affine=False, process_group=group).double()
+    switched_outputs = [compiled_layer(x), reference(x)]
+    local = torch.nn.functional.batch_norm(x, None, None, training=True)
+    return {
+        "outputs": outputs,
+        "states": [eager.state_dict(), compiled_model.state_dict()],
+        "alone": (alone_output, local),
+        "switched": switched_outputs,
+    }
 
 
 def test_a_layer_with_an_explicit_process_group_compiles(pool2: WorkerPool) -> None:
     """Before, dynamo could not evaluate the group's isinstance check against a tuple and
-    raised 'process_group does not contain this rank' while tracing."""
+    raised 'process_group does not contain this rank' while tracing. A group of one rank,
+    then a group of two set on the layer: the compiled layer synchronizes over the second
+    (a graph traced with the first took the local path, and dynamo does not guard on which
+    group a layer holds)."""
     for result in pool2.run(_with_explicit_group, timeout=120.0):
         eager, compiled = result["outputs"]
         torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(result["states"][1], result["states"][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(*result["alone"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(*result["switched"], rtol=1e-10, atol=1e-12)
 
 
 class _CheckpointedBlock(nn.Module):

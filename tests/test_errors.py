@@ -520,6 +520,27 @@ def test_create_process_group_needs_init() -> None:
         syncbn.create_process_group(1)
 
 
+def test_a_layer_whose_group_was_destroyed_with_the_default_group_raises(
+    tmp_path: Any,
+) -> None:
+    """After ``destroy_process_group()`` no default group is left, and a layer that still
+    holds its explicit group trained as plain BatchNorm, silently (a review); it raises the
+    destroyed group's error, and with ``process_group = None`` it is plain BatchNorm."""
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        layer = syncbn.SyncBatchNorm(3, process_group=dist.new_group([0]))
+        layer(torch.randn(4, 3))
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="process group has been destroyed"):
+        layer(torch.randn(4, 3))
+    layer.process_group = None
+    x = torch.randn(4, 3)
+    plain = torch.nn.functional.batch_norm(x, None, None, training=True)
+    torch.testing.assert_close(layer(x), plain)
+
+
 def _blocks(rank: int, world_size: int, group_size: int) -> dict[str, object]:
     try:
         group = syncbn.create_process_group(group_size)

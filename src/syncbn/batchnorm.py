@@ -359,7 +359,12 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
                 raise _data_parallel_replica_error()
             if not compiling:
                 _warn_unsynchronized_replica()
-        if not synchronized and mask is None:
+        # compiled, a layer given a process group calls the synchronizing op even where the
+        # group has one rank: the op finds the layer's group at run time, so a group of more
+        # ranks assigned later is used (dynamo does not guard on which group a layer holds:
+        # a graph traced on the local path stayed local, silently)
+        by_op = synchronized or (compiling and self.process_group is not None)
+        if not by_op and mask is None:
             return self._local_training_forward(input)
         tracking = self.track_running_stats
         running_mean = self.running_mean if tracking else None
@@ -385,7 +390,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             eps=self.eps,
             momentum=self.momentum,
             site=self._site,
-            ordered=synchronized,
+            ordered=by_op,
         )
 
     def _synchronizes(self) -> bool:

@@ -47,6 +47,10 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     """
     if not is_distributed():
         check_process_group(group)
+        if isinstance(group, dist.ProcessGroup):
+            # a group without a default group: destroy_process_group() removed both, and a
+            # layer that still holds it must not train unsynchronized, silently
+            check_alive(group)
         return 1
     # (two tests, not isinstance(group, (ProcessGroup, NoneType)): dynamo cannot evaluate that)
     if group is not None and not isinstance(group, dist.ProcessGroup):
