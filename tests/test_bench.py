@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -122,8 +123,23 @@ def test_bench_checks_json_before_measuring(
     existing.write_text("kept")
     bench._check_writable(str(existing))
     bench._check_writable(str(tmp_path / "new.json"))
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["old.json"]
-    assert existing.read_text() == "kept"
+    # nor does it open a path: a named pipe's reader saw its end (and an open without a
+    # reader blocks), a dangling link lost its target and left an empty file
+    pipe, link = tmp_path / "pipe", tmp_path / "link.json"
+    os.mkfifo(pipe)
+    link.symlink_to(tmp_path / "target.json")
+
+    def check_both() -> None:
+        for path in (pipe, link):
+            bench._check_writable(str(path))
+
+    # (a daemon: a check blocked in open must not keep the test process alive at exit)
+    checks = threading.Thread(target=check_both, daemon=True)
+    checks.start()
+    checks.join(timeout=10.0)
+    assert not checks.is_alive(), "the check opened the named pipe"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link.json", "old.json", "pipe"]
+    assert link.is_symlink() and existing.read_text() == "kept"
 
 
 def test_bench_stops_on_sigterm_as_on_ctrl_c(

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -179,10 +180,11 @@ def _bench_rank(
 
 
 def _check_writable(path: str) -> None:
-    """Raise a usage error unless a file can be written at ``path``: tried, as a folder
-    such as ``/proc`` passes ``os.access`` and a name may be too long for the file system
-    (both failed with a traceback after the whole measurement). A file that did not exist
-    is removed again."""
+    """Raise a usage error unless a file can be written at ``path``, without touching it
+    (a named pipe's reader would see its end; a dangling link would lose its target): the
+    folder must be writable, the name short enough for the file system, and, for a new
+    file, the folder must take one (``/proc`` passes ``os.access``). A name too long or
+    ``/proc`` failed with a traceback after the whole measurement."""
     if os.path.isdir(path):
         raise argparse.ArgumentError(None, f"argument --json: '{path}' is a directory")
     folder = os.path.dirname(os.path.abspath(path))
@@ -190,16 +192,25 @@ def _check_writable(path: str) -> None:
         raise argparse.ArgumentError(
             None, f"argument --json: cannot write '{path}': '{folder}' is not a writable folder"
         )
-    existed = os.path.exists(path)
     try:
-        with open(path, "a"):  # (appends nothing: an existing file is left as it is)
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):  # (no limit known)
+        name_max = None
+    if name_max is not None and len(os.fsencode(os.path.basename(path))) > name_max:
+        raise argparse.ArgumentError(
+            None, f"argument --json: cannot write '{path}': its name is longer than {name_max}"
+        )
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK) and os.path.exists(path):
+            raise argparse.ArgumentError(None, f"argument --json: '{path}' is not writable")
+        return
+    try:  # a new file: a file of the folder's own, removed at once
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as error:
         raise argparse.ArgumentError(
             None, f"argument --json: cannot write '{path}': {error.strerror or error}"
         ) from None
-    if not existed:
-        os.remove(path)
 
 
 def _fmt_ms(seconds: float) -> str:
