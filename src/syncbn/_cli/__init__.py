@@ -14,7 +14,8 @@ imports it):
   ``demo_plot.py`` (the figure);
 - ``bench.py`` (the command) and ``measure.py`` (timing and collective counting, also
   used by ``benchmarks/`` and the tests);
-- ``launch.py``: the multi-process launcher of the demo, the benchmarks and the tests.
+- ``launch.py``: the multi-process launcher of the demo, the benchmarks and the tests;
+- ``output.py``: whether the commands' output paths take files, checked before the work.
 
 Importing this package, or a subcommand's module, imports neither torch nor the
 library's core: they are imported when a command runs, so ``syncbn --help`` is fast.

@@ -12,9 +12,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from syncbn._cli.output import new_file_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -204,13 +205,11 @@ def _check_writable(path: str) -> None:
         if not os.access(path, os.W_OK) and os.path.exists(path):
             raise argparse.ArgumentError(None, f"argument --json: '{path}' is not writable")
         return
-    try:  # a new file: a file of the folder's own, removed at once
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
+    refusal = new_file_refusal(folder)  # a new file: the folder must take one
+    if refusal is not None:
         raise argparse.ArgumentError(
-            None, f"argument --json: cannot write '{path}': {error.strerror or error}"
-        ) from None
+            None, f"argument --json: cannot write '{path}': {refusal.strerror or refusal}"
+        )
 
 
 def _fmt_ms(seconds: float) -> str:

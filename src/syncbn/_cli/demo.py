@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from syncbn._cli.demo_config import RUNS, DemoConfig, DemoData
+from syncbn._cli.output import new_file_refusal
 
 __all__ = [
     "RUNS",
@@ -203,11 +204,9 @@ def _make_out(out: str) -> None:
         path = os.path.join(out, name)
         if os.path.isdir(path):
             raise _usage_error(f"argument --out: '{path}' is a directory")
-    try:  # a folder that takes no file (/proc) passes os.access
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as error:
-        raise _usage_error(f"argument --out: cannot write to '{out}': {error}") from None
+    refusal = new_file_refusal(out)
+    if refusal is not None:
+        raise _usage_error(f"argument --out: cannot write to '{out}': {refusal}")
 
 
 def load_data(seed: int) -> DemoData:
