@@ -171,6 +171,12 @@ def forward_fingerprint(fingerprint: int, input_grad: bool) -> int:
     return fingerprint if input_grad or not fingerprint else fingerprint + _NO_GRAD_OFFSET
 
 
+def _needs_no_grad(value: int) -> bool:
+    """Whether a buffer's fingerprint ``value`` is the forward fingerprint of a call whose
+    input needs no gradient (:func:`forward_fingerprint`)."""
+    return value > _NO_GRAD_OFFSET
+
+
 def register_layer(
     layer_name: str, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1
 ) -> None:
@@ -219,7 +225,7 @@ def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> s
     names = _layers_with_fingerprint(value)
     if not names:
         return unknown
-    in_forward = value <= _BACKWARD_OFFSET or value > _NO_GRAD_OFFSET
+    in_forward = value <= _BACKWARD_OFFSET or _needs_no_grad(value)
     where = " in forward" if not forward and in_forward else ""
     return f"SyncBatchNorm layer {' or '.join(names)}{where}"
 
@@ -227,7 +233,7 @@ def _others_layer(header: Header, world_size: int, own: int, forward: bool) -> s
 def _ranks_needing_grad(header: Header, world_size: int, own: int) -> int | None:
     """Where the fingerprints of a forward differ only in whether each rank's input needs a
     gradient (:func:`forward_fingerprint`): how many ranks' inputs do; else ``None``."""
-    layer = own - _NO_GRAD_OFFSET if own > _NO_GRAD_OFFSET else own
+    layer = own - _NO_GRAD_OFFSET if _needs_no_grad(own) else own
     without = layer + _NO_GRAD_OFFSET
     excess = header.fingerprint_sum - world_size * layer
     if excess % _NO_GRAD_OFFSET:
@@ -576,7 +582,7 @@ class HeaderCheck(NamedTuple):
             if self.phase == "forward":
                 needing = _ranks_needing_grad(header, self.world_size, own)
             if needing is not None:
-                here = "does not need one" if own > _NO_GRAD_OFFSET else "needs one"
+                here = "does not need one" if _needs_no_grad(own) else "needs one"
                 return RuntimeError(
                     f"SyncBatchNorm inputs disagree on requires_grad in forward: at "
                     f"{self.layer.describe()} the input of {needing} of {self.world_size} "
