@@ -482,6 +482,9 @@ class ReducedForward(NamedTuple):
     #: :func:`reduce_forward` was given (:attr:`factor` is a view of its last value);
     #: ``None`` when immediate
     update: torch.Tensor | None = None
+    #: deferred checks, where :func:`reduce_forward` was asked for it: ``1 - factor`` on the
+    #: device, made in the factor's kernel (see :func:`syncbn._stats.update_running_stats`)
+    keep: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -491,6 +494,19 @@ def counted_update(
     """``[1, factor]`` in ``dtype`` on ``device``, built once per factor (a momentum repeats
     from call to call): the batch count's increment and the running statistics' factor."""
     return _protocol.on_device([1.0, factor], dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _moving_terms(
+    factor: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Base and steps of a deferred call's ``[[increment, factor], [0, 1 - factor]]``, one
+    ``addcmul`` of theirs with its two flags (:func:`syncbn._protocol.device_flags`, which
+    broadcast along the rows): ``[[0, 0], [0, 1]]`` and ``[[1, factor], [0, -factor]]``,
+    built once per factor."""
+    terms = _protocol.on_device([0.0, 0.0, 0.0, 1.0, 1.0, factor, 0.0, -factor], dtype, device)
+    base, steps = terms.view(2, 2, 2).unbind()
+    return base, steps
 
 
 @functools.lru_cache(maxsize=256)
@@ -529,6 +545,7 @@ def reduce_forward(
     options: TrainOptions,
     input_size: tuple[int, ...] | None = None,
     update_dtype: torch.dtype = torch.float64,
+    keep: bool = False,
 ) -> ReducedForward:
     """All-reduce a packed forward buffer and check it (at once, or deferred).
 
@@ -539,6 +556,9 @@ def reduce_forward(
         input_size: the local input's size, quoted by the "more than 1 value" error.
         update_dtype: the dtype of a deferred call's :attr:`ReducedForward.update`: that
             of the running statistics, which then need no conversion of the factor.
+        keep: a deferred call's :attr:`ReducedForward.keep` with a momentum (the kernel
+            that makes the factor makes ``1 - factor`` too), in place of
+            :attr:`ReducedForward.update`.
     """
     buffer = options.reducer.all_reduce(buffer, "forward")
     check = options.header_check("forward", input_size)
@@ -560,8 +580,14 @@ def reduce_forward(
         # in float64, then rounded once: float16 cannot even hold a count above 65504
         average = num_batches_tracked.add(1).to(torch.float64).reciprocal_()
         update = torch.stack([torch.ones_like(average), average]).mul_(flags).to(update_dtype)
-    else:  # one kernel: bool times a float tensor is a float tensor
+    else:
         factor = 0.0 if momentum is None else momentum
+        if keep:  # one kernel
+            base, steps = _moving_terms(factor, buffer.device, update_dtype)
+            # the second column: [factor, 1 - factor], zeros and one where the checks fail
+            moved, kept = torch.addcmul(base, flags, steps)[:, 1].unbind()
+            return ReducedForward(buffer, count, moved, flags[0], keep=kept)
+        # one kernel: bool times a float tensor is a float tensor
         update = torch.mul(flags, counted_update(factor, buffer.device, update_dtype))
     return ReducedForward(buffer, count, update[1], flags[0], update)
 
@@ -675,7 +701,7 @@ def forward_train(
             triton_passes,
         )  # fmt: skip
     reduced = reduce_forward(
-        buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype
+        buffer, mode, num_batches_tracked, options, tuple(input.shape), update_dtype, keep=True
     )
     count = reduced.global_count
     divisors = count_divisors(count, buffer.device)
@@ -704,12 +730,12 @@ def forward_train(
     if tracked:
         rows += [mean, var if unbiased_var is None else unbiased_var]
     converted = _converted(rows, dtype)
-    offset = converted[0] if with_offset else None
+    offset = None if converted is None or not with_offset else converted[0]
     recomputing = is_recomputing()  # a checkpointed forward already updated the buffers
-    if tracked and not recomputing:
-        running_mean_target, running_var_target = converted[-2:]
+    if converted is not None and tracked and not recomputing:
+        # its last two rows: the mean and the variance
         _stats.update_running_stats(
-            running_mean, running_var, running_mean_target, running_var_target, reduced.factor
+            running_mean, running_var, converted, reduced.factor, reduced.keep
         )
     if num_batches_tracked is not None and not recomputing:
         # a deferred check that fails counts no batch (its increment is 0)
@@ -719,11 +745,12 @@ def forward_train(
     return ForwardResult(output, saved, count, saved_input, valid)
 
 
-def _converted(rows: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """``(C,)`` vectors in ``dtype``, in one conversion: a copy of one, a stack of more."""
+def _converted(rows: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """``(C,)`` vectors as the rows of one tensor in ``dtype``, in one conversion: a copy
+    of one, a stack of more; ``None`` for no rows."""
     if len(rows) == 1:
-        return (rows[0].to(dtype),)
-    return torch.stack(rows).to(dtype).unbind() if rows else ()
+        return rows[0].to(dtype).unsqueeze(0)
+    return torch.stack(rows).to(dtype) if rows else None
 
 
 def _forward_on_fused_kernel(

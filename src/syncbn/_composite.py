@@ -252,7 +252,8 @@ def _update_running_stats(
     increment, factor = update.unbind()
     with torch.no_grad():
         unbiased_var = _stats.unbiased(var.detach(), count.detach())
-        _stats.update_running_stats(running_mean, running_var, mean.detach(), unbiased_var, factor)
+        targets = (mean.detach(), unbiased_var)
+        _stats.update_running_stats(running_mean, running_var, targets, factor)
         if num_batches_tracked is not None:
             num_batches_tracked.add_(increment.to(num_batches_tracked.dtype))
 

@@ -116,9 +116,9 @@ def moments_from_divisors(
 def update_running_stats(
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
-    mean: torch.Tensor,
-    unbiased_var: torch.Tensor,
+    targets: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     factor: float | torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """Move the running statistics towards the global mean and unbiased variance, in place.
 
@@ -131,23 +131,42 @@ def update_running_stats(
     infinite.
 
     Args:
-        mean, unbiased_var: the targets, in the statistics dtype (or the buffers').
+        targets: the mean and the unbiased variance, in the statistics dtype (or the
+            buffers'): the last two rows of an ``(R, C)`` tensor (one kernel multiplies
+            every row by the factor; the rows before them are left unread, which costs less
+            than one more op to slice them off), or two ``(C,)`` vectors.
         factor: the momentum of this update, a number or a 0-dim tensor; 0 where nothing
             may move (a global batch of fewer than 2 values per channel, a call whose
             deferred checks failed), which the caller has decided.
+        keep: ``1 - factor`` for a factor on the device, if the caller has it already
+            (:func:`syncbn._autograd.reduce_forward` makes it in the kernel of the factor);
+            else one kernel here.
     """
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
-    # on the device, 1 - factor in one kernel for both buffers
-    keep = torch.rsub(factor, 1.0) if isinstance(factor, torch.Tensor) else 1.0 - factor
-    for running, target in ((running_mean, mean), (running_var, unbiased_var)):
-        if running is None:
-            continue
-        # two kernels: the product, then the sum written (and rounded) into the buffer
-        if isinstance(keep, torch.Tensor):
-            torch.addcmul(target * factor, running, keep, out=running)
-        else:
-            torch.add(target * factor, running, alpha=keep, out=running)
+    runnings = (running_mean, running_var)
+    moved: list[torch.Tensor | None]
+    if isinstance(targets, torch.Tensor):
+        moved = list((targets * factor).unbind()[-2:])  # one kernel for every row
+    else:
+        moved = [
+            None if running is None else target * factor
+            for running, target in zip(runnings, targets)
+        ]
+    updates = [
+        (running, product)
+        for running, product in zip(runnings, moved)
+        if running is not None and product is not None
+    ]
+    # each sum written (and rounded) into its buffer
+    if not isinstance(factor, torch.Tensor):
+        for running, product in updates:
+            torch.add(product, running, alpha=1.0 - factor, out=running)
+        return
+    if keep is None:
+        keep = torch.rsub(factor, 1.0)  # on the device, in one kernel for both buffers
+    for running, product in updates:
+        torch.addcmul(product, running, keep, out=running)
 
 
 def unbiased(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
