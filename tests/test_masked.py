@@ -47,6 +47,9 @@ class MaskedCase:
     device: str = "cpu"
     #: the layer's check_mode ("auto": immediate on CPU, deferred on accelerators)
     check_mode: str = "auto"
+    #: ranks that call the layer without a mask (give them a valid fraction of 1: every
+    #: position of theirs counts), beside ranks that pass one
+    unmasked_ranks: tuple[int, ...] = ()
 
     def data(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's input, mask and output gradient at ``step`` (NaN where padded)."""
@@ -70,7 +73,7 @@ class _Masked(nn.Module):
         super().__init__()
         self.bn = syncbn.SyncBatchNorm(num_features, momentum=None)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.bn(x, mask)
 
 
@@ -100,7 +103,7 @@ def _run_masked(rank: int, world_size: int, case: MaskedCase) -> dict[str, Any]:
         if case.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         x.requires_grad_()
-        y = run(x, mask)
+        y = run(x, None if rank in case.unmasked_ranks else mask)
         y.backward(grad.to(case.dtype))
         records.append(
             {
@@ -461,7 +464,8 @@ def test_a_global_valid_count_of_one_raises_like_batchnorm() -> None:
 # ---------------------------------------------------------------- several ranks
 
 _RANK_CASES = {
-    "uneven": MaskedCase(sizes=(3, 5, 2), valid=(0.6, 0.5, 0.8)),
+    # the second rank passes no mask: its whole batch counts beside the others' valid positions
+    "uneven": MaskedCase(sizes=(3, 5, 2), valid=(0.6, 1.0, 0.8), unmasked_ranks=(1,)),
     "empty-rank": MaskedCase(sizes=(4, 0, 3), valid=(0.6, 0.5, 0.7)),
     "all-padded-rank": MaskedCase(sizes=(3, 4, 2), valid=(0.0, 0.6, 0.7)),
     "4d-channels_last": MaskedCase(
@@ -575,8 +579,11 @@ def test_under_ddp_the_gradients_are_those_of_the_gathered_batch(
 @pytest.mark.parametrize("pool", [2, 3], ids=["world2", "world3"], indirect=True)
 @pytest.mark.timeout(300)  # the scenario's own bound plus the pool's start
 def test_compiled_masked_calls_match_the_gathered_reference(pool: WorkerPool) -> None:
-    """aot_eager: dynamo and AOTAutograd around the custom op, as inductor sees them."""
-    case = dataclasses.replace(_RANK_CASES["empty-rank"], mode="aot_eager")
+    """aot_eager: dynamo and AOTAutograd around the custom op, as inductor sees them. On 3
+    ranks the third passes no mask (its graph takes the unmasked path) beside masked ones."""
+    case = dataclasses.replace(
+        _RANK_CASES["empty-rank"], mode="aot_eager", valid=(0.6, 0.5, 1.0), unmasked_ranks=(2,)
+    )
     _assert_matches(case, pool.run(_run_masked, case, timeout=240.0))
 
 
