@@ -83,8 +83,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
-        help="torch.compile the model (inductor), then wrap it in DDP",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the model with BACKEND (default: inductor), then wrap it in DDP",
     )
     parser.add_argument(
         "--out",
@@ -217,7 +220,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     model = model.to(device)
     # compiled inside DDP: this model's top module is an nn.Sequential, and dynamo starts no
     # frame in torch.nn's code, so torch.compile(ddp_model) would leave its layers eager
-    trained = torch.compile(model) if args.compile else model
+    trained = torch.compile(model, backend=args.compile) if args.compile else model
     ddp_model = DistributedDataParallel(
         trained, device_ids=[device.index] if device.type == "cuda" else None
     )
@@ -246,7 +249,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         device.type,
         dist.get_backend(),
         norm,
-        ", compiled" if args.compile else "",
+        f", compiled ({args.compile})" if args.compile else "",
         args.batch_size,
         args.batch_size * world_size,
     )
