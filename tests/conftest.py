@@ -1,6 +1,6 @@
 """Session-wide setup: inductor's vector instruction set in the pytest process, the
 fixtures of one pool of 2 gloo ranks and one of 3, shared by every test, and the groups
-that keep them one under pytest-xdist."""
+that keep them one under pytest-xdist (:mod:`_xdist_groups`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 from _harness import WorkerPool
+from _xdist_groups import pytest_collection_modifyitems
 
-__all__ = ["pool", "pool2", "pool3"]
+__all__ = ["pool", "pool2", "pool3", "pytest_collection_modifyitems"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -24,24 +25,6 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.vec_isa_ok = True
-
-
-#: the fixtures of the session's pools of ranks
-_POOLS = {"pool", "pool2", "pool3"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup`` (README's test command): the tests
-    that run on the pools in one worker, which starts them once (each worker is a session
-    of its own: two would start pools each, and compile the same graphs at the same time),
-    and the other tests a file at a time, so that a module's fixtures start once too."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        uses_pools = bool(_POOLS & set(getattr(item, "fixturenames", ())))
-        group = "pools" if uses_pools else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _pool(world_size: int) -> Iterator[WorkerPool]:
