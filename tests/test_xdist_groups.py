@@ -46,3 +46,19 @@ def test_each_test_reaches_xdist_in_its_group(tmp_path: Path) -> None:
     # xdist's loadgroup names a grouped test "<node id>@<group>"
     assert "PASSED test_grouped.py::test_on_a_pool@pools" in result.stdout, result.stdout
     assert "PASSED test_grouped.py::test_alone@test_grouped.py" in result.stdout, result.stdout
+
+
+def test_the_pool_fixtures_are_the_suites(pytestconfig: pytest.Config) -> None:
+    """The names the hook groups by are the fixtures tests/conftest.py defines: a pool
+    fixture renamed there would leave its tests out of the pools' worker."""
+    from _xdist_groups import POOL_FIXTURES
+
+    conftest = _TESTS / "conftest.py"
+    modules = [
+        plugin
+        for plugin in pytestconfig.pluginmanager.get_plugins()
+        if Path(getattr(plugin, "__file__", "") or "").resolve() == conftest
+    ]
+    assert len(modules) == 1, modules
+    for name in POOL_FIXTURES:
+        assert callable(getattr(modules[0], name, None)), name
