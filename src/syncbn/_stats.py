@@ -145,19 +145,13 @@ def update_running_stats(
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
     runnings = (running_mean, running_var)
-    moved: list[torch.Tensor | None]
     if isinstance(targets, torch.Tensor):
-        moved = list((targets * factor).unbind()[-2:])  # one kernel for every row
+        products = (targets * factor).unbind()[-2:]  # one kernel for every row
+        updates = [(running, p) for running, p in zip(runnings, products) if running is not None]
     else:
-        moved = [
-            None if running is None else target * factor
-            for running, target in zip(runnings, targets)
+        updates = [
+            (running, t * factor) for running, t in zip(runnings, targets) if running is not None
         ]
-    updates = [
-        (running, product)
-        for running, product in zip(runnings, moved)
-        if running is not None and product is not None
-    ]
     # each sum written (and rounded) into its buffer
     if not isinstance(factor, torch.Tensor):
         for running, product in updates:
