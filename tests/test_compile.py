@@ -232,7 +232,12 @@ def _generated_kernels(rank: int, world_size: int) -> dict[str, int]:
 
     _inductor_once()
     counts = {}
-    for name, tail in (("alone", []), ("with relu", [nn.ReLU()])):
+    runs: list[tuple[str, list[nn.Module]]] = [("alone", []), ("with relu", [nn.ReLU()])]
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.5":
+        # torch 2.4's first inductor compile in a process counts one kernel fewer (21, then
+        # 22 for the same model; 2026-12-07): one compile first, not compared
+        runs.insert(0, ("first", []))
+    for name, tail in runs:
         torch._dynamo.reset()
         metrics.reset()
         model = nn.Sequential(syncbn.SyncBatchNorm(3), *tail).double()
@@ -439,7 +444,9 @@ def test_errors_still_raise_on_every_rank_under_compile(pool2: WorkerPool) -> No
         for name, (rank_0_kind, rank_0_message) in raised_on_rank_0.items():
             kind, message = outcomes[name]
             if name == "eps" and not _autograd._REFUSES_EPS:
-                assert (kind, message) == ("ok", "")
+                # torch takes eps <= 0, and the layer-order check finds that the ranks'
+                # layers differ in eps (tests/test_errors.py's functional case)
+                assert kind == "RuntimeError" and "another eps or momentum" in message, message
             elif rank == 0:
                 assert kind == rank_0_kind and rank_0_message in message, (name, message)
             else:
@@ -476,6 +483,14 @@ def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str]
     return outcome(compiled, torch.randn(2, 3, 5))
 
 
+@pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.5",
+    reason="torch 2.4's dynamo, in a process that already holds a CPU order token, raises its "
+    "own InternalTorchDynamoError ('FakeRootModule' object has no attribute "
+    "'..._order_tokens__cpu') while tracing this invalid call, on every rank, instead of "
+    "syncbn's error (docs/compatibility.md, 2026-12-07)",
+    strict=False,
+)
 def test_a_meta_device_layer_given_a_cpu_input_raises_under_compile(pool2: WorkerPool) -> None:
     """The invalid call's op dispatched to its meta kernel (the layer's tensors are on the
     meta device), which returned an uninitialized CPU tensor where eager calls raise (a
@@ -994,6 +1009,49 @@ def test_the_forward_op_calls_its_implementation_directly_when_nothing_records()
     a CPU tensor's key set below autograd is the backend's alone (were it not, every
     compiled call would pay the redispatch through Python again, silently)."""
     assert forward_op_calls(torch.device("cpu")) == ["direct"]
+
+
+@pytest.mark.skipif(not _compiled.FULLGRAPH, reason="the ops are registered from torch 2.4")
+def test_the_forward_ops_autograd_kernel_works_with_torch_2_4s_stand_ins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.4 has no ``torch._C._any_requires_grad``, which the forward op's autograd
+    kernel called (every compiled synchronized call failed there), and its dispatch key
+    sets have no ``==`` (the kernel's shortcut was never taken): found on 2026-12-07 by the
+    suite on torch 2.4.1. The stand-ins agree with torch's own tests where torch has them;
+    with both in use, the shortcut is taken, and a compiled masked call (the op in a process
+    alone) equals eager mode, forward and backward."""
+    plain, recorded = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    for inputs in [(plain, None, "", 0.1, True), (plain, recorded, None), (recorded,), ()]:
+        expected = any(isinstance(value, torch.Tensor) and value.requires_grad for value in inputs)
+        assert _compiled._requires_grad(*inputs) is expected
+        if hasattr(torch._C, "_any_requires_grad"):
+            assert torch._C._any_requires_grad(*inputs) is expected
+    cpu = torch._C._dispatch_keys(plain) & torch._C._after_autograd_keyset
+    keysets = [cpu, torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *_compiled._PLAIN_KEYSETS]
+    for keyset in keysets:
+        expected = repr(keyset) in ("DispatchKeySet(CPU)", "DispatchKeySet(CUDA)")
+        assert _compiled._plain_by_name(keyset) is expected
+        assert _compiled._is_plain(keyset) is expected
+    monkeypatch.setattr(_compiled, "_any_requires_grad", _compiled._requires_grad)
+    monkeypatch.setattr(_compiled, "_is_plain", _compiled._plain_by_name)
+    assert forward_op_calls(torch.device("cpu")) == ["direct"]
+    torch.manual_seed(0)
+    eager = syncbn.SyncBatchNorm(3).double()
+    layer = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    mask = torch.arange(5) < torch.tensor([5, 3, 4, 2])[:, None]
+    grads = []
+    for run in (eager, compiled):
+        leaf = x.clone().requires_grad_()
+        output = run(leaf, mask)
+        output.square().sum().backward()
+        grads.append((output.detach(), leaf.grad))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.weight.grad, eager.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.state_dict(), eager.state_dict(), rtol=1e-12, atol=1e-12)
 
 
 def test_the_functional_form_compiles_where_it_does_not_synchronize() -> None:

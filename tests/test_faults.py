@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn
-from syncbn import _protocol, distributed
+from syncbn import _compiled, _protocol, distributed
 from syncbn._kernels import generic
 
 #: the pool's process-group timeout: a rank left waiting fails only after it
@@ -370,9 +370,21 @@ def _problem_of_the_last_call(
     return {"bad": bad, "checked": checked, "again": again, "clean": clean}
 
 
+#: a compiled case: its scenario compiles with ``fullgraph=True``, which needs torch >= 2.4
+_FULLGRAPH = pytest.mark.skipif(
+    not _compiled.FULLGRAPH, reason="fullgraph compile needs torch >= 2.4"
+)
+
+
 @pytest.mark.parametrize(
     ("problem", "compiled"),
-    [("order", False), ("count", False), ("backward", False), ("order", True), ("count", True)],
+    [
+        ("order", False),
+        ("count", False),
+        ("backward", False),
+        pytest.param("order", True, marks=_FULLGRAPH),
+        pytest.param("count", True, marks=_FULLGRAPH),
+    ],
     ids=["order", "count", "backward", "order-compiled", "count-compiled"],
 )
 def test_check_deferred_raises_the_last_calls_problem(

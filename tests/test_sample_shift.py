@@ -4,6 +4,8 @@ values spread over the batch, the same in eager mode (a strided view) and in com
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -43,11 +45,10 @@ def test_one_outlier_anywhere_never_becomes_the_shift(shape: tuple[int, ...]) ->
     torch.manual_seed(0)
     x = torch.randn(shape)
     positions = (shape[0], *shape[2:])
-    for position in range(torch.Size(positions).numel()):
+    # every position in order (itertools, not torch.unravel_index, which torch 2.1 lacks)
+    for position in itertools.product(*map(range, positions)):
         outlier = x.clone()
-        index: list[int | slice] = [
-            int(i) for i in torch.unravel_index(torch.tensor(position), positions)
-        ]
+        index: list[int | slice] = list(position)
         index.insert(1, slice(None))
         outlier[tuple(index)] = 1e6
         shift = sample_shift(outlier).view(-1)

@@ -455,6 +455,35 @@ _PLAIN_KEYSETS = tuple(
 )
 
 
+def _plain_by_value(below: torch.DispatchKeySet) -> bool:
+    return below == _PLAIN_KEYSETS[0] or below == _PLAIN_KEYSETS[1]
+
+
+def _plain_by_name(below: torch.DispatchKeySet) -> bool:
+    return repr(below) in _PLAIN_NAMES
+
+
+_PLAIN_NAMES = frozenset(map(repr, _PLAIN_KEYSETS))
+#: whether a key set below autograd is one of :data:`_PLAIN_KEYSETS`: compared by value, or
+#: where key sets have no ``==`` (torch 2.4 compares them as objects, so that the shortcut of
+#: :func:`_autograd_kernel` was never taken) by their text
+_is_plain: Callable[[torch.DispatchKeySet], bool] = (
+    _plain_by_value
+    if torch._C.DispatchKeySet(torch._C.DispatchKey.CPU) == _PLAIN_KEYSETS[0]
+    else _plain_by_name
+)
+
+
+def _requires_grad(*inputs: Any) -> bool:
+    """Whether any of ``inputs`` is a tensor that requires grad (torch 2.4, which has no
+    ``torch._C._any_requires_grad``)."""
+    return any(isinstance(input, torch.Tensor) and input.requires_grad for input in inputs)
+
+
+#: :func:`_requires_grad`, in C++ where torch has it
+_any_requires_grad: Callable[..., bool] = getattr(torch._C, "_any_requires_grad", _requires_grad)
+
+
 def _autograd_kernel(keyset: torch.DispatchKeySet, *inputs: Any) -> Any:
     """``syncbn::sync_moments``'s autograd kernel.
 
@@ -466,9 +495,9 @@ def _autograd_kernel(keyset: torch.DispatchKeySet, *inputs: Any) -> Any:
     the same schema per call: 15 µs with it, 7 µs this way, 5 µs with no autograd kernel).
     """
     below = keyset & torch._C._after_autograd_keyset
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
+    if torch.is_grad_enabled() and _any_requires_grad(*inputs):
         return _SyncMoments.apply(below, *inputs)
-    if below == _PLAIN_KEYSETS[0] or below == _PLAIN_KEYSETS[1]:
+    if _is_plain(below):
         return _sync_moments(*inputs)
     return _redispatch(below, *inputs)
 

@@ -253,7 +253,7 @@ def _update_running_stats(
     with torch.no_grad():
         unbiased_var = _stats.unbiased(var.detach(), count.detach())
         targets = (mean.detach(), unbiased_var)
-        _stats.update_running_stats(running_mean, running_var, targets, factor)
+        _stats.update_running_stats(running_mean, running_var, targets, factor, in_graph=True)
         if num_batches_tracked is not None:
             num_batches_tracked.add_(increment.to(num_batches_tracked.dtype))
 

@@ -119,6 +119,7 @@ def update_running_stats(
     targets: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     factor: float | torch.Tensor,
     keep: torch.Tensor | None = None,
+    in_graph: bool = False,
 ) -> None:
     """Move the running statistics towards the global mean and unbiased variance, in place.
 
@@ -141,6 +142,9 @@ def update_running_stats(
         keep: ``1 - factor`` for a factor on the device, if the caller has it already
             (:func:`syncbn._autograd.reduce_forward` makes it in the kernel of the factor);
             else one kernel here.
+        in_graph: code that ``torch.compile`` traces: each sum is copied into its buffer
+            (inductor fuses the copy) rather than written with ``out=``, which torch 2.4's
+            dynamo fails on inside an activation-checkpointed region (``grapharg``).
     """
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
@@ -160,7 +164,10 @@ def update_running_stats(
     if keep is None:
         keep = torch.rsub(factor, 1.0)  # on the device, in one kernel for both buffers
     for running, product in updates:
-        torch.addcmul(product, running, keep, out=running)
+        if in_graph:
+            running.copy_(torch.addcmul(product, running, keep))
+        else:
+            torch.addcmul(product, running, keep, out=running)
 
 
 def unbiased(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
