@@ -12,7 +12,7 @@ from _harness import WorkerPool
 from torch import nn
 
 import syncbn
-from syncbn import _autograd, _protocol
+from syncbn import _autograd, _protocol, _stats
 
 # (world 2 sizes, world 3 sizes): uneven, and one rank empty
 SIZES: dict[int, list[tuple[int, ...]]] = {2: [(3, 1), (0, 4)], 3: [(2, 0, 3), (1, 1, 1)]}
@@ -331,3 +331,29 @@ def test_float32_sums_of_many_values_per_channel_stay_accurate(
     assert error(x.grad, exact.grad) < 1e-6
     # the running variance moved by 0.1 of the batch's unbiased variance (about 4)
     assert error(running_var, reference_layer.running_var) < 1e-6
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.0, "on the device"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_traced_running_statistics_update_writes_what_the_eager_one_does(
+    factor: float | str, dtype: torch.dtype
+) -> None:
+    """``_stats.update_running_stats(in_graph=True)``, compiled code's form (each sum copied
+    into its buffer: torch 2.4's dynamo failed on ``out=`` in a checkpointed region), writes
+    the buffers bit for bit as the eager form (``out=``) does, infinite values included."""
+    mean = torch.tensor([1.0, -3.5, 1e4, 0.1], dtype=torch.float64)
+    var = torch.tensor([2.0, 0.25, 7.0, float("inf")], dtype=torch.float64)
+    written = []
+    for in_graph in (False, True):
+        buffers = (
+            torch.tensor([0.5, float("inf"), -2.0, 3.0], dtype=dtype),
+            torch.tensor([1.0, 4.0, 0.5, 9.0], dtype=dtype),
+        )
+        value = torch.tensor(0.3, dtype=torch.float64) if isinstance(factor, str) else factor
+        _stats.update_running_stats(*buffers, (mean, var), value, in_graph=in_graph)
+        written.append(buffers)
+    for eager, traced in zip(*written):
+        # (a factor of 1 makes an infinite running mean NaN, as torch's batch norm does)
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0, equal_nan=True)
+        assert eager.dtype == dtype
+    assert not torch.equal(written[0][0], torch.tensor([0.5, float("inf"), -2.0, 3.0], dtype=dtype))

@@ -453,6 +453,7 @@ class _SyncMoments(torch.autograd.Function):
 _PLAIN_KEYSETS = tuple(
     torch._C.DispatchKeySet(key) for key in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
 )
+_PLAIN_NAMES = frozenset(map(repr, _PLAIN_KEYSETS))
 
 
 def _plain_by_value(below: torch.DispatchKeySet) -> bool:
@@ -463,7 +464,6 @@ def _plain_by_name(below: torch.DispatchKeySet) -> bool:
     return repr(below) in _PLAIN_NAMES
 
 
-_PLAIN_NAMES = frozenset(map(repr, _PLAIN_KEYSETS))
 #: whether a key set below autograd is one of :data:`_PLAIN_KEYSETS`: compared by value, or
 #: where key sets have no ``==`` (torch 2.4 compares them as objects, so that the shortcut of
 #: :func:`_autograd_kernel` was never taken) by their text

@@ -159,7 +159,10 @@ def update_running_stats(
     # each sum written (and rounded) into its buffer
     if not isinstance(factor, torch.Tensor):
         for running, product in updates:
-            torch.add(product, running, alpha=1.0 - factor, out=running)
+            if in_graph:
+                running.copy_(torch.add(product, running, alpha=1.0 - factor))
+            else:
+                torch.add(product, running, alpha=1.0 - factor, out=running)
         return
     if keep is None:
         keep = torch.rsub(factor, 1.0)  # on the device, in one kernel for both buffers
