@@ -106,6 +106,8 @@ def test_ranks_end_when_their_launcher_is_killed(
             stdout=subprocess.PIPE,
             stderr=file if stderr_kind == "file" else subprocess.PIPE,
             text=True,
+            # where the killed launcher's rendezvous directory is left (it cannot remove it)
+            env={**os.environ, "TMPDIR": str(tmp_path)},
         )
     pids: list[int] = []
     try:
