@@ -11,7 +11,9 @@ import pytest
 from _harness import WorkerPool
 from _xdist_groups import pytest_collection_modifyitems
 
-__all__ = ["pool", "pool2", "pool3", "pytest_collection_modifyitems"]
+import syncbn
+
+__all__ = ["no_checks_left_pending", "pool", "pool2", "pool3", "pytest_collection_modifyitems"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,3 +55,15 @@ def pool3() -> Iterator[WorkerPool]:
 def pool(request: pytest.FixtureRequest) -> WorkerPool:
     """Each of the two pools in turn."""
     return request.getfixturevalue(f"pool{request.param}")
+
+
+@pytest.fixture
+def no_checks_left_pending() -> Iterator[None]:
+    """The test reads the deferred checks its calls left (raising any problem they found),
+    so that none is pending for a later test of the same process: modules whose tests run
+    deferred checks in the pytest process use it (``pytestmark``).
+    ``test_faults.py::test_check_deferred_returns_at_once_with_nothing_pending`` failed
+    when it ran after ``test_op_budget.py``, and on torch 2.10 (2026-12-07) after
+    ``test_kernels_finalize.py``, whose Triton tests run where Triton is installed."""
+    yield
+    syncbn.check_deferred()

@@ -62,7 +62,10 @@ triton = pytest.importorskip(
 #: on a GPU machine the kernel runs compiled on CUDA tensors, elsewhere interpreted on the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: there, it is one of the GPU checks (``bash .ci/gpu tests``: ``-m cuda``)
-pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+#: every test reads the deferred checks its calls left (tests/conftest.py)
+pytestmark = [pytest.mark.usefixtures("no_checks_left_pending")]
+if DEVICE == "cuda":
+    pytestmark.append(pytest.mark.cuda)
 
 
 #: the module's functions that syncbn._autograd calls, counted by :func:`fused_finalize`

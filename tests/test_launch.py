@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -34,22 +35,23 @@ def _sleeps(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-#: parents of two processes that print their pids and wait: ranks of ``launch`` that
-#: sleep (this module's ``_sleeps``), and the tests' pool of workers between two tasks
+#: parents of two processes that print their pids (after "pids:") and wait: ranks of
+#: ``launch`` that sleep (this module's ``_sleeps``), and the tests' pool of workers
+#: between two tasks
 _PARENTS = {
     "launch": """
 import sys
 sys.path.insert(0, sys.argv[1])
 from test_launch import _sleeps
 from syncbn._cli.launch import launch
-launch(_sleeps, 2, on_start=lambda pids: print(*pids, flush=True))
+launch(_sleeps, 2, on_start=lambda pids: print("pids:", *pids, flush=True))
 """,
     "test pool": """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
 from _harness import WorkerPool
 from test_launch import _pid
-print(*WorkerPool(2).run(_pid), flush=True)
+print("pids:", *WorkerPool(2).run(_pid), flush=True)
 time.sleep(60)
 """,
 }
@@ -57,6 +59,16 @@ time.sleep(60)
 
 def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
+
+
+def _printed_pids(stdout: IO[str]) -> list[int]:
+    """The pids a parent of :data:`_PARENTS` printed. Its ranks share its stdout, and on
+    torch 2.10 gloo prints there when a rank connects ("[Gloo] Rank 0 is connected to 1
+    peer ranks ..."), which came first (2026-12-07)."""
+    for line in stdout:
+        if line.startswith("pids:"):
+            return [int(pid) for pid in line.split()[1:]]
+    return []  # the parent ended without printing them
 
 
 def test_results_come_back_in_rank_order() -> None:
@@ -112,7 +124,7 @@ def test_ranks_end_when_their_launcher_is_killed(
     pids: list[int] = []
     try:
         assert launcher.stdout is not None
-        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        pids = _printed_pids(launcher.stdout)
         assert len(pids) == 2, log.read_text()
         if launcher.stderr is not None:
             launcher.stderr.close()

@@ -49,7 +49,6 @@ written with one ``torch.cat`` into the output, rather than a copy into a slice 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -71,14 +70,8 @@ BUDGETS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_checks_left_pending() -> Iterator[None]:
-    """Each test reads the deferred checks its calls left (raising any problem they found),
-    so that none is pending for a later test of the session
-    (``test_faults.py::test_check_deferred_returns_at_once_with_nothing_pending`` failed
-    when it ran after this module)."""
-    yield
-    syncbn.check_deferred()
+#: every test reads the deferred checks its calls left (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_checks_left_pending")
 
 
 #: ops that only allocate memory (no launch on a GPU)
