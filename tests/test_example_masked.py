@@ -48,8 +48,11 @@ def _rows(output: str) -> dict[str, tuple[float, float]]:
 
 
 def test_masked_matches_the_reference_and_padded_batchnorm_drifts(tmp_path: Path) -> None:
+    # --log_dir in the test's folder, as test_examples.py's launches: else torchrun leaves
+    # a torchelastic_* folder in /tmp at every run
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", str(SCRIPT), *TINY]
+    command += [f"--log_dir={tmp_path / 'torchelastic'}", "--nproc_per_node=2"]
+    command += [str(SCRIPT), *TINY]
     output = _launch(tmp_path, command)
 
     assert output.count("2 ranks (gloo) x 4 sequences") == 1, output  # rank 0 prints
