@@ -488,7 +488,9 @@ def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str]
     reason="torch 2.4's dynamo, in a process that already holds a CPU order token, raises its "
     "own InternalTorchDynamoError ('FakeRootModule' object has no attribute "
     "'..._order_tokens__cpu') while tracing this invalid call, on every rank, instead of "
-    "syncbn's error (docs/compatibility.md, 2026-12-07)",
+    "syncbn's error: the trace creates the meta device's token (a meta layer prepares none), "
+    "and dynamo 2.4 fails to rebuild the mutated dictionary of tokens; with the meta token "
+    "made before the trace, syncbn's error comes (docs/compatibility.md, 2026-12-07)",
     strict=False,
 )
 def test_a_meta_device_layer_given_a_cpu_input_raises_under_compile(pool2: WorkerPool) -> None:
