@@ -16,6 +16,7 @@ from _harness import WorkerPool
 from torch import nn
 
 import syncbn
+from syncbn import _compiled
 
 STEPS = 3
 
@@ -362,9 +363,13 @@ def test_compiled_ddp_training_matches_global_batch(
     compiled = [state.pop("compiled graphs") for state in states]
     _max_error(states, _train_reference(sizes, {}))
     _assert_bitwise_equal_across_ranks(states)
+    # DDPOptimizer's pieces of the model's graph, one per bucket: where syncbn's layers are
+    # in the graph (torch >= 2.4); before, each layer breaks it, and the graphs between
+    # them hold fewer buckets (2 graphs on torch 2.3.1, 2026-12-07)
+    split = "bucket_bytes" in options and _compiled.FULLGRAPH
     for graphs in compiled:
         # one graph of the whole model, or DDPOptimizer's pieces of it (one per bucket)
-        assert graphs["backend compiles"] >= (3 if "bucket_bytes" in options else 1), graphs
+        assert graphs["backend compiles"] >= (3 if split else 1), graphs
         # compiled autograd traced the backward, or was not used
         captures = graphs["compiled autograd captures"]
         assert captures >= 1 if options.get("compiled_autograd") else captures == 0, graphs

@@ -216,11 +216,19 @@ def _input_problem(
     return None
 
 
+#: dynamo's own check, which it traces as a constant: ``torch.compiler.is_compiling`` from
+#: torch 2.3, before it ``torch._utils.is_compiling``. Chosen here, not in each call: torch
+#: 2.2's dynamo cannot trace the ``getattr`` of a module attribute with a default, and broke
+#: the graph there ("hasattr PythonModuleVariable is_compiling"), which ``torch.export``
+#: refuses (a compatibility run, 2026-12-07)
+_dynamo_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
+)
+
+
 def is_tracing() -> bool:
-    """True while dynamo traces (the check itself is traceable; torch >= 2.3 names it
-    ``torch.compiler.is_compiling``, before it ``torch._utils.is_compiling``)."""
-    check = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
-    return bool(check())
+    """True while dynamo traces (the check itself is traceable)."""
+    return bool(_dynamo_is_compiling())
 
 
 class Reducer(Protocol):
