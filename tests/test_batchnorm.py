@@ -333,6 +333,38 @@ def test_float32_sums_of_many_values_per_channel_stay_accurate(
     assert error(running_var, reference_layer.running_var) < 1e-6
 
 
+def _bfloat16_training_call(check_mode: str) -> list[torch.Tensor]:
+    """One synchronized training call (one process) of a layer in bfloat16 throughout:
+    the output, the input gradient and the running statistics."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 3, 5) * 2 + 1).bfloat16().requires_grad_()
+    weight = torch.rand(3).bfloat16().requires_grad_()
+    bias = torch.randn(3).bfloat16().requires_grad_()
+    running_mean, running_var = torch.zeros(3).bfloat16(), torch.ones(3).bfloat16()
+    layer = _autograd.LayerInfo("bf16", 3, check_mode=check_mode)
+    options = _autograd.TrainOptions(_autograd.LocalReducer(), layer)
+    y = _autograd.sync_batch_norm_train(
+        x, weight, bias, options, running_mean=running_mean, running_var=running_var
+    )
+    y.float().square().sum().backward()
+    syncbn.check_deferred()
+    assert x.grad is not None
+    return [y.detach(), x.grad, running_mean, running_var]
+
+
+def test_a_bfloat16_layer_with_deferred_checks_moves_its_running_statistics() -> None:
+    """A layer in bfloat16 throughout (float32 statistics, bfloat16 buffers) with deferred
+    checks, whose factor is a tensor: torch 2.1's CPU ``addcmul`` failed an internal assert
+    writing the float32 sums into the bfloat16 buffers with ``out=`` (2026-12-07). The
+    deferred call writes what the immediate one does."""
+    deferred = _bfloat16_training_call("deferred")
+    immediate = _bfloat16_training_call("immediate")
+    for got, want in zip(deferred, immediate):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(deferred[2], torch.zeros(3, dtype=torch.bfloat16))  # it moved
+
+
 @pytest.mark.parametrize("factor", [0.3, 1.0, "on the device"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_traced_running_statistics_update_writes_what_the_eager_one_does(

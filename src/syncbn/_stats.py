@@ -28,6 +28,12 @@ __all__ = [
     "update_running_stats",
 ]
 
+#: whether ``torch.addcmul`` on the CPU writes an ``out=`` of another dtype than its result's:
+#: torch 2.1's CPU kernel fails an internal assert instead (``needs_dynamic_casting``),
+#: which a model in bfloat16 throughout (float32 statistics, bfloat16 buffers) met in the
+#: running statistics' update of a deferred call (a compatibility run, 2026-12-07)
+_ADDCMUL_CASTS_OUT = torch.torch_version.TorchVersion(torch.__version__) >= "2.2"
+
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype in which the statistics of an input of ``dtype`` are accumulated.
@@ -144,7 +150,9 @@ def update_running_stats(
             else one kernel here.
         in_graph: code that ``torch.compile`` traces: each sum is copied into its buffer
             (inductor fuses the copy) rather than written with ``out=``, which torch 2.4's
-            dynamo fails on inside an activation-checkpointed region (``grapharg``).
+            dynamo fails on inside an activation-checkpointed region (``grapharg``). Eager
+            calls copy too where torch 2.1 cannot write a device factor's sum into a
+            buffer of another dtype (:data:`_ADDCMUL_CASTS_OUT`).
     """
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
@@ -167,7 +175,7 @@ def update_running_stats(
     if keep is None:
         keep = torch.rsub(factor, 1.0)  # on the device, in one kernel for both buffers
     for running, product in updates:
-        if in_graph:
+        if in_graph or not (_ADDCMUL_CASTS_OUT or product.dtype == running.dtype):
             running.copy_(torch.addcmul(product, running, keep))
         else:
             torch.addcmul(product, running, keep, out=running)
