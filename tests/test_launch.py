@@ -63,8 +63,8 @@ def _pid(rank: int, world_size: int) -> int:
 
 def _printed_pids(stdout: IO[str]) -> list[int]:
     """The pids a parent of :data:`_PARENTS` printed. Its ranks share its stdout, and on
-    torch 2.10 gloo prints there when a rank connects ("[Gloo] Rank 0 is connected to 1
-    peer ranks ..."), which came first (2026-12-07)."""
+    torch 2.8-2.10 gloo prints there when a rank connects ("[Gloo] Rank 0 is connected to
+    1 peer ranks ..."), which came first (2026-12-07)."""
     for line in stdout:
         if line.startswith("pids:"):
             return [int(pid) for pid in line.split()[1:]]

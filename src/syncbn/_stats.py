@@ -175,7 +175,7 @@ def update_running_stats(
     if keep is None:
         keep = torch.rsub(factor, 1.0)  # on the device, in one kernel for both buffers
     for running, product in updates:
-        if in_graph or not (_ADDCMUL_CASTS_OUT or product.dtype == running.dtype):
+        if in_graph or (product.dtype != running.dtype and not _ADDCMUL_CASTS_OUT):
             running.copy_(torch.addcmul(product, running, keep))
         else:
             torch.addcmul(product, running, keep, out=running)
