@@ -476,30 +476,43 @@ def test_an_eager_rank_beside_a_compiled_one_raises_in_backward(pool2: WorkerPoo
     assert "(num_features=3) in backward in the same collective" in compiled
 
 
-def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str]:
+def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str, list[str]]:
+    """The call's outcome, and where its graph's ``fail_forward`` op took its order token
+    from: a graph input or attribute (a device's token made before the trace) or a node of
+    the graph (a token the trace created)."""
     torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        graphs.append(graph)
+        return torch._dynamo.backends.debugging.aot_eager(graph, inputs)
+
+    syncbn.SyncBatchNorm(3)  # a layer on the CPU makes the CPU's token, as in training
     layer = syncbn.SyncBatchNorm(3, device="meta")
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    return outcome(compiled, torch.randn(2, 3, 5))
+    compiled = torch.compile(layer, fullgraph=True, backend=recording)
+    kind, message = outcome(compiled, torch.randn(2, 3, 5))
+    fail_op = torch.ops.syncbn.fail_forward
+    token_sources = [
+        node.args[4].op
+        for graph in graphs
+        for node in graph.graph.nodes
+        if node.target in (fail_op, fail_op.default)
+    ]
+    return kind, message, token_sources
 
 
-@pytest.mark.xfail(
-    torch.torch_version.TorchVersion(torch.__version__) < "2.5",
-    reason="torch 2.4's dynamo, in a process that already holds a CPU order token, raises its "
-    "own InternalTorchDynamoError ('FakeRootModule' object has no attribute "
-    "'..._order_tokens__cpu') while tracing this invalid call, on every rank, instead of "
-    "syncbn's error: the trace creates the meta device's token (a meta layer prepares none), "
-    "and dynamo 2.4 fails to rebuild the mutated dictionary of tokens; with the meta token "
-    "made before the trace, syncbn's error comes (docs/compatibility.md, 2026-12-07)",
-    strict=False,
-)
 def test_a_meta_device_layer_given_a_cpu_input_raises_under_compile(pool2: WorkerPool) -> None:
     """The invalid call's op dispatched to its meta kernel (the layer's tensors are on the
     meta device), which returned an uninitialized CPU tensor where eager calls raise (a
-    review)."""
-    for kind, message in pool2.run(_meta_layer_given_a_cpu_input):
+    review). Its op takes the input's order token: a trace that created the meta device's
+    token, in a process holding the CPU's, failed inside torch 2.4's dynamo instead
+    (``InternalTorchDynamoError``, on every rank; docs/compatibility.md, 2026-12-07)."""
+    for kind, message, token_sources in pool2.run(_meta_layer_given_a_cpu_input):
         assert kind == "RuntimeError", message
         assert "got input on cpu and parameters on meta" in message, message
+        # the CPU token, an input of the graph (torch 2.4: an attribute of its module),
+        # not a token that the trace made in the graph
+        assert token_sources in (["placeholder"], ["get_attr"]), token_sources
 
 
 def _empty_rank_with_inductor(rank: int, world_size: int, kind: str) -> list[tuple[str, str]]:

@@ -786,13 +786,17 @@ def sync_batch_norm_train(
     if problem is not None:
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise problem  # not a tensor: a programming error, the same on every rank
-        # the op finds the problem again from the same tensors and settings
+        # the op finds the problem again from the same tensors and settings; a layer on
+        # the meta device (which prepares no order token) given a real input takes the
+        # input's token: its trace then creates none, which torch 2.4's dynamo fails on
+        # where the process holds another device's token already
+        ordered_on = input.device if anchor.device.type == "meta" else anchor.device
         output: torch.Tensor = torch.ops.syncbn.fail_forward(
             input.detach(),
             anchor.detach(),
             [None if tensor is None else tensor.detach() for tensor in parameters],
             None if mask is None else mask.detach(),
-            order_token(anchor.device),
+            order_token(ordered_on),
             site,
             group_name,
             num_features,
