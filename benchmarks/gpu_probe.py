@@ -26,7 +26,11 @@
    profiler (the second run could not place ~1.9 of its 2.6 ms per call from the profiles,
    whose own overhead inflates every Python frame), per dtype, layout and check mode, and
    with ``syncbn._kernels.finalize`` (``-fused``: with ``syncbn._kernels.triton_passes``;
-   ``-fused-generic-passes``: without).
+   ``-fused-generic-passes``: without); last, a call of the layer under
+   ``torch.compile(fullgraph=True)`` (``-compiled``: the third run measured 1.7 ms of host
+   time per compiled layer over compiled BatchNorm on the H200, against 0.14 ms on the
+   CPU machines), whose phases are the bodies of syncbn's ops and what they call (no
+   replay: a dispatch mode sees none of the compiled kernels).
 3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
    ~2.2 ms into its causes: host time per aten op (a small in-place add), per nccl
    ``all_reduce`` of a forward buffer at world size 1, per Triton launch (a kernel of one
@@ -85,6 +89,9 @@ from gpu import captured  # noqa: E402  (benchmarks/gpu.py's CUDA graph capture)
 from test_op_budget import _Ops  # noqa: E402  (the op budget's record of aten calls)
 
 __all__ = ["main"]
+
+#: whether dynamo is tracing (torch < 2.3 has no ``torch.compiler.is_compiling``)
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
 #: the CUDA gold case that failed (tests/test_cuda.py GOLD["bfloat16-float32-params"])
 BF16_CASE = _gold.Case(sizes=(3, 1), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6))
@@ -331,12 +338,36 @@ PHASES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: the phases of a compiled call: what runs inside syncbn's ops when the graphs run. The
+#: functions that dynamo traces (``input_problem``, say) are left out: dynamo guards on
+#: which function a global name holds, so a timer there would recompile the graph. The
+#: forward op's body is timed itself; the backward op's is called by the dispatcher,
+#: which holds the function itself, and is timed through what it calls
+COMPILED_PHASES: dict[str, tuple[str, ...]] = {
+    "syncbn._compiled": ("_sync_moments", "_options"),
+    "syncbn._autograd": ("resolve_mode", "reduce_forward", "synchronize_grads"),
+    "syncbn._protocol": (
+        "pack_forward_moments",
+        "pack_backward_sums",
+        "check_now",
+        "defer_check",
+        "raise_deferred",
+        "header_values",
+        "device_flags",
+    ),
+    "syncbn.distributed": ("all_reduce_sum_",),
+}
+
+
 @contextlib.contextmanager
-def _phase_timers() -> Iterator[dict[str, list[float]]]:
-    """Wrap each function of :data:`PHASES` with a timer, wherever a syncbn module holds it
+def _phase_timers(
+    phases: dict[str, tuple[str, ...]] = PHASES,
+) -> Iterator[dict[str, list[float]]]:
+    """Wrap each function of ``phases`` with a timer, wherever a syncbn module holds it
     (its own module, and those that imported it by name); yields ``{"module.function":
     [calls, seconds]}`` (the module's last name), inclusive of what each calls; restores
-    every function on exit. A module not imported (Triton's, without Triton) is left out."""
+    every function on exit. A module not imported (Triton's, without Triton) is left out.
+    While dynamo traces, a timer calls its function untimed (it cannot trace the clock)."""
     totals: dict[str, list[float]] = {}
     patched: list[tuple[Any, str, Any]] = []
 
@@ -344,6 +375,8 @@ def _phase_timers() -> Iterator[dict[str, list[float]]]:
         total = totals.setdefault(name, [0, 0.0])
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _is_compiling():
+                return function(*args, **kwargs)
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -355,7 +388,7 @@ def _phase_timers() -> Iterator[dict[str, list[float]]]:
 
     modules = [module for name, module in sys.modules.items() if name.startswith("syncbn")]
     try:
-        for module_name, names in PHASES.items():
+        for module_name, names in phases.items():
             if module_name not in sys.modules:
                 continue
             for name in names:
@@ -372,26 +405,29 @@ def _phase_timers() -> Iterator[dict[str, list[float]]]:
 
 
 def phase_times(
-    call: Callable[[], object], calls: int, synchronize: Callable[[], None]
+    call: Callable[[], object],
+    calls: int,
+    synchronize: Callable[[], None],
+    phases: dict[str, tuple[str, ...]] = PHASES,
 ) -> tuple[float, dict[str, tuple[float, float]]]:
-    """Host microseconds per ``call`` over ``calls`` calls, and per phase of
-    :data:`PHASES` that ran: ``(calls per call, inclusive host microseconds per call)``.
-    The timers' own cost (two clock reads and a Python call per phase call, ~1 us on a
-    slow host) is in the numbers."""
+    """Host microseconds per ``call`` over ``calls`` calls, and per phase of ``phases``
+    (:data:`PHASES`, or :data:`COMPILED_PHASES` for a compiled call) that ran: ``(calls
+    per call, inclusive host microseconds per call)``. The timers' own cost (two clock
+    reads and a Python call per phase call, ~1 us on a slow host) is in the numbers."""
     call()  # first-call caches filled
     synchronize()
-    with _phase_timers() as totals:
+    with _phase_timers(phases) as totals:
         start = time.perf_counter()
         for _ in range(calls):
             call()
         host = (time.perf_counter() - start) / calls
     synchronize()
-    phases = {
+    timed = {
         name: (count / calls, seconds / calls * 1e6)
         for name, (count, seconds) in totals.items()
         if count
     }
-    return host * 1e6, phases
+    return host * 1e6, timed
 
 
 def replay_us(
@@ -497,6 +533,8 @@ def profile_calls(
     fails (the fused kernel's first compilation, say) is reported and the others still run."""
     # fused: syncbn._kernels.finalize (Triton kernels around the collectives) with
     # syncbn._kernels.triton_passes ("fused") or the generic passes ("fused-generic-passes")
+    # "compiled": the layer under torch.compile(fullgraph=True), last (its compile takes the
+    # longest: a lease's cap that cuts it keeps the eager rows)
     for dtype, channels_last, mode, fused in (
         (torch.float32, False, "deferred", ""),
         (torch.float32, False, "deferred", "fused"),
@@ -504,13 +542,16 @@ def profile_calls(
         (torch.float32, False, "immediate", ""),
         (torch.bfloat16, True, "deferred", ""),
         (torch.bfloat16, True, "deferred", "fused"),
+        (torch.float32, False, "deferred", "compiled"),
     ):
         layout = "cl" if channels_last else "nchw"
         name = "-".join(filter(None, (str(dtype).removeprefix("torch."), layout, mode, fused)))
+        compiled = fused == "compiled"
         try:
             passes = fused == "fused"
-            _kernels.use_fused_finalize(device.type, enabled=bool(fused), triton_passes=passes)
-            _profile(device, dtype, channels_last, mode, out / name, say, costs)
+            enabled = fused.startswith("fused")
+            _kernels.use_fused_finalize(device.type, enabled=enabled, triton_passes=passes)
+            _profile(device, dtype, channels_last, mode, out / name, say, costs, compiled)
         except Exception as error:  # noqa: BLE001 - reported, and the next variant runs
             say(f"32x256x14x14 {name}: failed: {type(error).__name__}: {error}")
         finally:
@@ -525,11 +566,16 @@ def _profile(
     stem: Path,
     say: Callable[[str], None],
     costs: dict[str, float],
+    compiled: bool = False,
 ) -> None:
+    """One variant of :func:`profile_calls`: ``compiled``, the layer under
+    ``torch.compile(fullgraph=True)`` (inductor), whose graphs call syncbn's two ops per
+    call (their bodies: the ``_compiled`` phases)."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     layer = syncbn.SyncBatchNorm(256).to(device)
     layer._sync_alone = True
     layer.check_mode = mode
+    module = torch.compile(layer, fullgraph=True) if compiled else layer
     x = torch.randn(32, 256, 14, 14, device=device, dtype=dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -537,7 +583,7 @@ def _profile(
     dy = torch.randn_like(x)
 
     def call() -> None:
-        torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
+        torch.autograd.grad(module(x), (x, *layer.parameters()), dy)
 
     for _ in range(20):
         call()
@@ -572,6 +618,12 @@ def _profile(
     table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     stem.with_name(f"ops-{stem.name}.txt").write_text(table)
     say(f"32x256x14x14 {stem.name}: host {host * 1e3:.3f} ms per call, {total * 1e3:.3f} in all")
+    if compiled:
+        # a dispatch mode would not see the compiled kernels (and dynamo would recompile
+        # under it): the ops' bodies and what they call are timed as phases instead
+        _say_phases(call, synchronize, say, COMPILED_PHASES)
+        say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
+        return
     with _Ops() as counted:
         call()
     synchronize()
@@ -582,11 +634,20 @@ def _profile(
     replayed, aten_calls, others = replay_us(counted, 50, synchronize)
     left_out = f" ({', '.join(others)} left out)" if others else ""
     say(f"  its {aten_calls} aten calls replayed alone: {replayed:.0f} us per call{left_out}")
-    host_us, phases = phase_times(call, 50, synchronize)
-    say(f"  phases (inclusive host us per call; {host_us:.0f} us per call with the timers):")
-    for phase, (count, us) in phases.items():
-        say(f"    {phase}: {us:.1f} us in {count:g} calls")
+    _say_phases(call, synchronize, say)
     say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
+
+
+def _say_phases(
+    call: Callable[[], object],
+    synchronize: Callable[[], None],
+    say: Callable[[str], None],
+    phases: dict[str, tuple[str, ...]] = PHASES,
+) -> None:
+    host_us, timed = phase_times(call, 50, synchronize, phases)
+    say(f"  phases (inclusive host us per call; {host_us:.0f} us per call with the timers):")
+    for phase, (count, us) in timed.items():
+        say(f"    {phase}: {us:.1f} us in {count:g} calls")
 
 
 #: the passes' sweep: ``(N, C, *positions)``, dtype, channels last; resnet50's largest and

@@ -23,6 +23,7 @@ from _harness import WorkerPool
 
 import syncbn
 from syncbn import _cli as cli
+from syncbn import _compiled
 from syncbn._cli import bench, launch, measure
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -669,6 +670,45 @@ def test_gpu_probe_times_the_phases_of_a_call_and_restores_them() -> None:
         assert phases[name][0] == 1, (name, phases)
     assert phases["_autograd.resolve_mode"][0] == 2, phases  # forward and backward
     assert "distributed.all_reduce_sum_" not in phases, phases  # no process group
+    assert all(0 < us <= host_us for _, us in phases.values()), (host_us, phases)
+    assert all(getattr(module, name) is function for (module, name), function in held.items())
+
+
+@pytest.mark.skipif(not _compiled.FULLGRAPH, reason="compiled layers need torch >= 2.4")
+def test_gpu_probe_times_the_ops_of_a_compiled_call_without_recompiling() -> None:
+    """benchmarks/gpu_probe.py's phases of a compiled call (aot_eager; a process alone,
+    masked: syncbn's ops without a process group): the forward op's body and what the
+    backward op's calls, once per call; no timer reaches a traced function (a second
+    graph would have been compiled), and every wrapped function is restored."""
+    from torch._dynamo.utils import counters
+
+    probe = _load("gpu_probe")
+    torch._dynamo.reset()
+    layer = syncbn.SyncBatchNorm(4)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+
+    def call() -> None:
+        compiled(x, mask=mask).sum().backward()
+
+    call()  # compiled before the timers, as the probe's warm-up does
+    graphs = counters["stats"]["unique_graphs"]
+    held = {
+        (module, name): getattr(module, name)
+        for module_name, names in probe.COMPILED_PHASES.items()
+        for module in [sys.modules[module_name]]
+        for name in names
+    }
+    host_us, phases = probe.phase_times(call, 3, lambda: None, probe.COMPILED_PHASES)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    for name in [
+        "_compiled._sync_moments",
+        "_autograd.reduce_forward",
+        "_autograd.synchronize_grads",
+    ]:
+        assert phases[name][0] == 1, (name, phases)
+    assert phases["_compiled._options"][0] == 2, phases  # forward and backward op
     assert all(0 < us <= host_us for _, us in phases.values()), (host_us, phases)
     assert all(getattr(module, name) is function for (module, name), function in held.items())
 
