@@ -27,8 +27,8 @@
    whose own overhead inflates every Python frame), per dtype, layout and check mode, and
    with ``syncbn._kernels.finalize`` (``-fused``: with ``syncbn._kernels.triton_passes``;
    ``-fused-generic-passes``: without); last, a call of the layer under
-   ``torch.compile(fullgraph=True)`` (``-compiled``: the third run measured 1.7 ms of host
-   time per compiled layer over compiled BatchNorm on the H200, against 0.14 ms on the
+   ``torch.compile(fullgraph=True)`` (``-compiled``: the second run, on an H200, measured
+   1.7 ms of host time per compiled layer over compiled BatchNorm, against 0.14 ms on the
    CPU machines), whose phases are the bodies of syncbn's ops and what they call (no
    replay: a dispatch mode sees none of the compiled kernels).
 3. ``calibrate``: what one unit of that host time costs on the lent machine, to split the
@@ -80,6 +80,7 @@ import torch.distributed as dist
 import syncbn
 from syncbn import _kernels
 from syncbn._cli.launch import run_on_ranks
+from syncbn._compiled import is_compiling
 from syncbn._stats import stat_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -89,9 +90,6 @@ from gpu import captured  # noqa: E402  (benchmarks/gpu.py's CUDA graph capture)
 from test_op_budget import _Ops  # noqa: E402  (the op budget's record of aten calls)
 
 __all__ = ["main"]
-
-#: whether dynamo is tracing (torch < 2.3 has no ``torch.compiler.is_compiling``)
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
 #: the CUDA gold case that failed (tests/test_cuda.py GOLD["bfloat16-float32-params"])
 BF16_CASE = _gold.Case(sizes=(3, 1), dtype="bfloat16", param_dtype="float32", tail=(4, 6, 6))
@@ -375,7 +373,7 @@ def _phase_timers(
         total = totals.setdefault(name, [0, 0.0])
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _is_compiling():
+            if is_compiling():  # dynamo traces (syncbn's check, for every torch)
                 return function(*args, **kwargs)
             start = time.perf_counter()
             try:
