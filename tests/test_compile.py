@@ -65,14 +65,19 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 class _CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it compiles (first compile included)."""
+    """A ``torch.compile`` backend that keeps and counts the graphs it compiles (first
+    compile included), each compiled by the named ``backend``."""
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self.compiles = 0
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    @property
+    def compiles(self) -> int:
+        return len(self.graphs)
 
     def __call__(self, graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
-        self.compiles += 1
+        self.graphs.append(graph)
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend(self.backend)(graph, inputs)
@@ -481,20 +486,15 @@ def _meta_layer_given_a_cpu_input(rank: int, world_size: int) -> tuple[str, str,
     from: a graph input or attribute (a device's token made before the trace) or a node of
     the graph (a token the trace created)."""
     torch._dynamo.reset()
-    graphs: list[torch.fx.GraphModule] = []
-
-    def recording(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        graphs.append(graph)
-        return torch._dynamo.backends.debugging.aot_eager(graph, inputs)
-
     syncbn.SyncBatchNorm(3)  # a layer on the CPU makes the CPU's token, as in training
     layer = syncbn.SyncBatchNorm(3, device="meta")
-    compiled = torch.compile(layer, fullgraph=True, backend=recording)
+    backend = _CountingBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
     kind, message = outcome(compiled, torch.randn(2, 3, 5))
     fail_op = torch.ops.syncbn.fail_forward
     token_sources = [
         node.args[4].op
-        for graph in graphs
+        for graph in backend.graphs
         for node in graph.graph.nodes
         if node.target in (fail_op, fail_op.default)
     ]
