@@ -169,9 +169,10 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         running-statistics update stay on the device), so it can be captured in a CUDA
         graph, and ``torch.compile(model, fullgraph=True)`` traces the layer without a
         graph break. When every rank's batch is empty the output is empty, as in torch.
-        (CUDA: run on an H200 on 2026-12-04, no host sync per layer call; README, "On a
-        GPU".) With deferred checks, call :func:`syncbn.check_deferred` after the last
-        step, so that a problem of its collectives is raised rather than lost.
+        (CUDA: run on an H200 on 2026-12-04, no host sync per layer call;
+        docs/performance.md, "On a GPU".) With deferred checks, call
+        :func:`syncbn.check_deferred` after the last step, so that a problem of its
+        collectives is raised rather than lost.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.

@@ -12,7 +12,8 @@ A training call needs four big passes over the data, whatever the device:
 a device with faster fused kernels (``cuda``, ``xpu``, ``mps``) adds one module that
 provides the same four functions. :mod:`syncbn._kernels.cuda` (torch's fused SyncBatchNorm
 element kernels) is a candidate, which :func:`use_device_kernels` selects, until a GPU run
-shows it faster (the first one read 0.78-1.29x the generic kernels, README "On a GPU").
+shows it faster (the first one read 0.78-1.29x the generic kernels: docs/performance.md,
+"On a GPU").
 
 Around its collectives a deferred call (the accelerators' mode) runs ~35 tiny ops (the
 packing, the checks, the per-channel maths); :mod:`syncbn._kernels.finalize` does them in

@@ -3,10 +3,10 @@ collectives: packing the local sums, checking the all-reduced header, and the pe
 maths after it, in forward and in backward.
 
 On a GPU an eager training call is bound by the host: the first GPU run (H100, 2026-11-28,
-README "On a GPU") measured ~2.2 ms of host time per forward+backward call of one layer,
-whatever the shape, for 43 kernel launches, and ~130 µs of device time per call inside a
-CUDA graph, where cuDNN's BatchNorm takes a few kernels. Of a deferred forward's 33 kernels,
-24 are tiny ops between the collective and the output pass: the header's checks
+docs/performance.md, "On a GPU") measured ~2.2 ms of host time per forward+backward call of
+one layer, whatever the shape, for 43 kernel launches, and ~130 µs of device time per call
+inside a CUDA graph, where cuDNN's BatchNorm takes a few kernels. Of a deferred forward's 33
+kernels, 24 are tiny ops between the collective and the output pass: the header's checks
 (:func:`syncbn._protocol.device_flags`) and the factor of the running statistics' update,
 the divisors of the global count, mean and variances, scale, the saved statistics, the
 output's offset, the running statistics and the batch counter.
