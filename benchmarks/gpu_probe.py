@@ -619,33 +619,24 @@ def _profile(
     if compiled:
         # a dispatch mode would not see the compiled kernels (and dynamo would recompile
         # under it): the ops' bodies and what they call are timed as phases instead
-        _say_phases(call, synchronize, say, COMPILED_PHASES)
-        say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
-        return
-    with _Ops() as counted:
-        call()
-    synchronize()
-    calls, kernels = len(counted.names), len(counted.kernels)
-    per_op = costs.get("aten op (in-place add of 256 values)")
-    predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
-    say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
-    replayed, aten_calls, others = replay_us(counted, 50, synchronize)
-    left_out = f" ({', '.join(others)} left out)" if others else ""
-    say(f"  its {aten_calls} aten calls replayed alone: {replayed:.0f} us per call{left_out}")
-    _say_phases(call, synchronize, say)
-    say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
-
-
-def _say_phases(
-    call: Callable[[], object],
-    synchronize: Callable[[], None],
-    say: Callable[[str], None],
-    phases: dict[str, tuple[str, ...]] = PHASES,
-) -> None:
+        phases = COMPILED_PHASES
+    else:
+        with _Ops() as counted:
+            call()
+        synchronize()
+        calls, kernels = len(counted.names), len(counted.kernels)
+        per_op = costs.get("aten op (in-place add of 256 values)")
+        predicted = "" if per_op is None else f", {calls * per_op / 1e3:.3f} ms at its cost"
+        say(f"  aten calls per call {calls}, kernels {kernels}{predicted}")
+        replayed, aten_calls, others = replay_us(counted, 50, synchronize)
+        left_out = f" ({', '.join(others)} left out)" if others else ""
+        say(f"  its {aten_calls} aten calls replayed alone: {replayed:.0f} us per call{left_out}")
+        phases = PHASES
     host_us, timed = phase_times(call, 50, synchronize, phases)
     say(f"  phases (inclusive host us per call; {host_us:.0f} us per call with the timers):")
     for phase, (count, us) in timed.items():
         say(f"    {phase}: {us:.1f} us in {count:g} calls")
+    say("\n".join(line for line in by_own_time.splitlines()[:40] if line.strip()))
 
 
 #: the passes' sweep: ``(N, C, *positions)``, dtype, channels last; resnet50's largest and
