@@ -54,7 +54,8 @@ class LocalMoments(NamedTuple):
     total: torch.Tensor
     #: ``(C,)`` float64: sum of squares of the local batch (zeros if empty)
     square_total: torch.Tensor
-    #: ``(C,)`` float64: the per-channel shift subtracted before summing
+    #: ``(C,)``: the per-channel shift subtracted before summing, in float64 (in the
+    #: statistics dtype from :func:`syncbn._kernels.finalize.pack_forward`)
     shift: torch.Tensor
     #: the shifted copy, in the statistics dtype and the input's memory format, or ``None``
     centered: torch.Tensor | None
@@ -785,8 +786,11 @@ def corrected_input_grad(
         # both terms in the statistics dtype, rounded once at the end as torch's kernels
         # round: the correction rounded to bfloat16 before the sum lost the difference of
         # two nearly equal terms (a review: an input gradient 25 % off where torch's is
-        # 0.2 %); a mixed-dtype addcmul_ is ~25x slower than converting first
-        input, grad_output = input.to(scale.dtype), grad_output.to(scale.dtype)
+        # 0.2 %). The output gradient goes into the float32 addcmul_ below as it is: type
+        # promotion converts it exactly, on the CPU into a temporary (the same time as
+        # converting first, 2026-12-08, torch 2.13), on a GPU in the kernel (no pass of
+        # its own); into a low-precision result it was 2x slower
+        input = input.to(scale.dtype)
     correction = torch.batch_norm(
         input, correction_weight, correction_bias, mean, var, False, 0.0, eps, False
     )
