@@ -8,9 +8,12 @@ the patched code (``'ir.builder' object has no attribute 'get_uint8_ty'``), what
 kernel; Triton 3.6's and 3.8's restore it. So the test specializes each launch as
 Triton's launcher does and hands the results to this script, run in a new process::
 
-    python tests/_triton_compile.py SOURCES   # SOURCES: a pickled list of CompileJob
+    python tests/_triton_compile.py SOURCES          # SOURCES: a pickled list of CompileJob
+    python tests/_triton_compile.py --ttir SOURCES   # each job's Triton IR instead
 
-It compiles each job with ptxas and prints a JSON list of the failures, one line each.
+It compiles each job with ptxas and prints a JSON list of the failures, one line each; or
+with ``--ttir`` a JSON list of each job's Triton IR (to read what the compiler made of a
+kernel's arithmetic).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import re
 import sys
 from typing import Any, NamedTuple
 
-__all__ = ["CompileJob", "compile_jobs"]
+__all__ = ["CompileJob", "compile_jobs", "triton_ir"]
 
 
 class CompileJob(NamedTuple):
@@ -67,13 +70,30 @@ def compile_jobs(jobs: list[CompileJob]) -> list[str]:
     return failures
 
 
+def triton_ir(jobs: list[CompileJob]) -> list[str]:
+    """Each job's Triton IR (TTIR) as compiled for its GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    irs = []
+    for job in jobs:
+        module_name, kernel_name = job.name.split(".")
+        kernel = getattr(importlib.import_module(f"syncbn._kernels.{module_name}"), kernel_name)
+        source = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
+        binary = triton.compile(source, target=GPUTarget("cuda", job.arch, 32), options=job.options)
+        irs.append(binary.asm["ttir"])
+    return irs
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python tests/_triton_compile.py SOURCES", file=sys.stderr)
+    ttir = argv[:1] == ["--ttir"]
+    if len(argv) != 1 + ttir:
+        print("usage: python tests/_triton_compile.py [--ttir] SOURCES", file=sys.stderr)
         return 2
-    with open(argv[0], "rb") as file:
+    with open(argv[-1], "rb") as file:
         jobs = [CompileJob(*job) for job in pickle.load(file)]
-    print(json.dumps(compile_jobs(jobs)))
+    print(json.dumps(triton_ir(jobs) if ttir else compile_jobs(jobs)))
     return 0
 
 

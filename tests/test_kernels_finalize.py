@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -696,16 +697,17 @@ def test_every_launch_compiles_for_a100_and_h100_gpus() -> None:
     assert not failures, "\n".join(failures)
 
 
-def _compile_in_a_new_process(jobs: list[CompileJob]) -> list[str]:
-    """:func:`_triton_compile.compile_jobs` in a new Python process, where the interpreter
-    that recorded the launches has patched nothing (see ``tests/_triton_compile.py``)."""
+def _compile_in_a_new_process(jobs: list[CompileJob], ttir: bool = False) -> list[str]:
+    """:func:`_triton_compile.compile_jobs` (or with ``ttir`` :func:`_triton_compile.triton_ir`)
+    in a new Python process, where the interpreter that recorded the launches has patched
+    nothing (see ``tests/_triton_compile.py``)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "jobs.pickle"
         path.write_bytes(pickle.dumps([tuple(job) for job in jobs]))
         script = Path(__file__).with_name("_triton_compile.py")
         done = subprocess.run(
-            [sys.executable, str(script), str(path)],
+            [sys.executable, str(script), *(["--ttir"] if ttir else []), str(path)],
             env=environment,
             capture_output=True,
             text=True,
@@ -713,8 +715,49 @@ def _compile_in_a_new_process(jobs: list[CompileJob]) -> list[str]:
             check=False,
         )
     assert done.returncode == 0, done.stderr[-4000:]
-    failures: list[str] = json.loads(done.stdout)
-    return failures
+    results: list[str] = json.loads(done.stdout)
+    return results
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs Triton's NVIDIA backend and its ptxas")
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every test here compiles its kernels")
+def test_the_shift_kernel_adds_its_offsets_in_64_bits() -> None:
+    """The shift's kernel reads its 9 values at offsets that Triton passes as 32-bit
+    integers (each under 2**31), and sums of them (``offset + 2 * group_step``) pass 2**31 in
+    a tensor of a few billion values: in 32 bits they wrapped to addresses before the
+    tensor (a review, 2026-12-08, read it in the IR). No test can allocate such a tensor,
+    so the compiled IR is read: every address of the input and the mask is a 64-bit offset.
+    """
+    kernel = _compiled_kernels()["triton_passes"]._shift_kernel
+    data, bits, shift = (
+        torch.zeros(16, dtype=torch.bfloat16),
+        torch.zeros(16, dtype=torch.uint8),
+        torch.zeros(16),
+    )
+    near = 2**30 + 3  # a 32-bit argument, whose double is not
+    jobs = [
+        _specialized(
+            kernel,
+            "triton_passes._shift_kernel",
+            (data, bits, data, shift, 16, 3, near, near, 3, near, near, 3),
+            {"MASKED": masked, "BLOCK_C": 128},
+            90,
+        )  # fmt: skip
+        for masked in (False, True)
+    ]
+    for masked, ir in zip((False, True), _compile_in_a_new_process(jobs, ttir=True)):
+        # the kernel's first two parameters: the input's and the mask's pointers
+        header = re.search(r"tt\.func public @_shift_kernel\((.*)", ir)
+        assert header is not None, ir[:2000]
+        input_name, mask_name = re.findall(r"(%[\w.]+): !tt\.ptr", header.group(1))[:2]
+        names = [input_name] + ([mask_name] if masked else [])
+        offsets = {
+            name: re.findall(rf"tt\.addptr {re.escape(name)}, \S+ : !tt\.ptr<\w+>, (\w+)", ir)
+            for name in names
+        }
+        for name, widths in offsets.items():
+            assert len(widths) == 9, (masked, name, widths)  # the 9 values of each channel
+            assert set(widths) == {"i64"}, (masked, name, widths)
 
 
 def _fused_rank(rank: int, world_size: int, case: Case) -> dict[str, Any]:

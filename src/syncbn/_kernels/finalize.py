@@ -11,18 +11,21 @@ kernels, 24 are tiny ops between the collective and the output pass: the header'
 the divisors of the global count, mean and variances, scale, the saved statistics, the
 output's offset, the running statistics and the batch counter.
 :func:`finalize_forward` does all of them in one kernel, with the same float64 maths (the
-same formulas and rounding steps as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
-:func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`),
-and :func:`normalize` makes the output pass one ``addcmul`` instead of the generic
-kernels' two. Before the collective, :func:`pack_forward` adds the shift back to the local
-sums and packs the buffer in one kernel (the generic code runs five). In the backward,
-:func:`pack_backward` packs the local sums in one kernel (CUDA's ``torch.cat`` of mixed
-dtypes makes four) and :func:`finalize_backward` reads the header and computes the input
-gradient's corrections in one (the generic code runs three). A call then runs 12 torch
-kernels and these 4 instead of 49: the shift (a median of 9 values, 6 element-wise
-kernels), the shifted copy, its sums and the output in forward, the sums, the correction
-pass and the gradient in backward; with :mod:`syncbn._kernels.triton_passes` (below) 2
-torch kernels and 9 Triton ones (the shift one of them).
+same formulas as :mod:`syncbn._protocol`, :mod:`syncbn._stats`,
+:func:`syncbn._autograd.reduce_forward` and :func:`syncbn._kernels.generic.output_offset`;
+compiled, a product and a sum may fuse into one rounding, and a float32 square root and
+division are approximate, as torch's CUDA ``rsqrt`` is: an ulp or two apart from the torch
+ops, which the interpreter's numpy maths do not show), and :func:`normalize` makes the
+output pass one ``addcmul`` instead of the generic kernels' two. Before the collective,
+:func:`pack_forward` adds the shift back to the local sums and packs the buffer in one
+kernel (the generic code runs five). In the backward, :func:`pack_backward` packs the local
+sums in one kernel (CUDA's ``torch.cat`` of mixed dtypes makes four) and
+:func:`finalize_backward` reads the header and computes the input gradient's corrections in
+one (the generic code runs three). A call then runs 12 torch kernels and these 4 instead of
+49: the shift (a median of 9 values, 6 element-wise kernels), the shifted copy, its sums and
+the output in forward, the sums, the correction pass and the gradient in backward; with
+:mod:`syncbn._kernels.triton_passes` (below) 2 torch kernels and 9 Triton ones (the shift
+one of them).
 
 Deferred calls take them (an immediate call's count is a number on the host), masked ones
 too: their count of valid positions is a tensor that the packing kernel reads on the
@@ -110,7 +113,8 @@ def finalize_forward(
 
     Args:
         buffer: the all-reduced forward buffer (float64, :mod:`syncbn._protocol`).
-        shift: ``(C,)`` float64, the local moments' shift (strided, or not).
+        shift: ``(C,)``, the local moments' shift (strided, or not), in the statistics
+            dtype (:func:`pack_forward`'s) or float64 (the generic kernels').
         counted_update: :func:`syncbn._autograd.counted_update`, ``[1, momentum]`` in the
             running statistics' dtype; ``None`` for a cumulative average (``momentum=None``
             with a batch counter), whose factor is ``1 / (num_batches_tracked + 1)``.
@@ -300,8 +304,9 @@ def finalize_backward(
 @triton.jit
 def _moved(start, end, factor, WIDE: tl.constexpr):  # type: ignore[no-untyped-def]
     """:func:`syncbn._stats.update_running_stats`: ``end * factor + start * (1 - factor)``
-    in float64 for float64 buffers, else in float32 (torch's opmath), rounded once when
-    stored; an infinite statistic stays infinite, as in torch's batch norm."""
+    in float64 for float64 buffers, else in float32 (torch's opmath; compiled, the product
+    and the sum may fuse into one rounding), rounded to the buffer's dtype when stored; an
+    infinite statistic stays infinite, as in torch's batch norm."""
     opmath = tl.float64 if WIDE else tl.float32
     factor = factor.to(opmath)
     return end.to(opmath) * factor + start.to(opmath) * (1.0 - factor)
@@ -430,6 +435,9 @@ def _finalize_forward_kernel(  # type: ignore[no-untyped-def]
             moved = _moved(start, end, factor, WIDE_RUNNING)
             tl.store(running_var + channel, moved.to(running_type), mask=inside)
     if COUNT_BATCH:
+        # every warp has read the counter (the factor's read above) before one thread moves
+        # it: without the barrier a warp that starts late could read the moved counter
+        tl.debug_barrier()
         tl.store(num_batches_tracked, tl.load(num_batches_tracked) + passes.to(tl.int64))
 
 

@@ -340,7 +340,8 @@ def _element_tile(positions, num_channels, length, channel_stride, position_stri
     """An element-wise kernel's tile: its channels (and which exist), then :func:`_tile`'s
     offsets and masks; program 0 counts samples times blocks of positions."""
     sample = tl.program_id(0) // position_blocks
-    first_position = (tl.program_id(0) % position_blocks) * BLOCK_L
+    # in 64 bits: a plane of 2**31 positions or more would wrap the first position negative
+    first_position = tl.cast(tl.program_id(0) % position_blocks, tl.int64) * BLOCK_L
     channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     element, valid, in_tensor = _tile(
         sample, first_position, channel, num_channels, length, channel_stride,
@@ -356,9 +357,10 @@ def _reduction_tile(tile, channel, num_channels, length, channel_stride, positio
     """A reduction kernel's ``tile`` (tiles count a sample's blocks of positions, sample
     after sample; :func:`_reduced` shares them out): :func:`_tile`'s offsets and which
     elements are valid."""
+    first_position = tl.cast(tile % position_blocks, tl.int64) * BLOCK_L  # (as _element_tile)
     element, valid, _ = _tile(
-        tile // position_blocks, (tile % position_blocks) * BLOCK_L, channel, num_channels,
-        length, channel_stride, position_stride, positions, BLOCK_L, MASKED,
+        tile // position_blocks, first_position, channel, num_channels, length, channel_stride,
+        position_stride, positions, BLOCK_L, MASKED,
     )  # fmt: skip
     return element, valid
 
@@ -568,6 +570,13 @@ def _shift_kernel(input, valid, fallback, shift, num_channels, channel_stride, o
     channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = channel < num_channels
     replacement = tl.load(fallback + channel, mask=inside, other=0.0) if MASKED else 0.0
+    # offsets in 64 bits: Triton passes an integer under 2**31 as 32 bits, and the sums
+    # below (offset + 2 * group_step: past 2**31 in a tensor of a few billion values)
+    # would wrap to addresses before the tensor
+    offset, group_step = tl.cast(offset, tl.int64), tl.cast(group_step, tl.int64)
+    member_step, valid_offset = tl.cast(member_step, tl.int64), tl.cast(valid_offset, tl.int64)
+    valid_group_step = tl.cast(valid_group_step, tl.int64)
+    valid_member_step = tl.cast(valid_member_step, tl.int64)
     first = _median_of_group(input, valid, replacement, channel, inside, channel_stride,
                              offset, member_step, valid_offset, valid_member_step, MASKED)
     second = _median_of_group(input, valid, replacement, channel, inside, channel_stride,
