@@ -434,7 +434,9 @@ def _outside_graph_pools(host: torch.Tensor, device: torch.device) -> torch.Tens
     thread's, torch 2.3 the calling stream's, and the thread copies on a stream of its
     own). Not yet run on a GPU (the failure above is from the first GPU run). The thread
     waits for its copy on the host, once per constant, so that every stream may read the
-    constant at once; the copy does not queue behind the device's other work.
+    constant at once. The copy goes to a side stream from torch's pool, not behind the
+    current stream's work; the pool's streams are shared (a process group's may be one),
+    so it may still wait for other side work in flight.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     copied: list[torch.Tensor] = []
@@ -632,10 +634,12 @@ class _PendingCheck(NamedTuple):
 
 
 _pending: collections.deque[_PendingCheck] = collections.deque()
-#: held while :func:`raise_deferred` scans :data:`_pending`: the replicas of
-#: :mod:`syncbn.data_parallel` call their layers from one thread per device, and a scan
-#: between another's peek and pop would check an entry twice and pop one unchecked (or
-#: pop from an empty queue); an event query lets other threads run in between
+#: held while :func:`raise_deferred` scans :data:`_pending`, while :func:`discard_pending`
+#: rewrites it, and for each append: the replicas of :mod:`syncbn.data_parallel` call their
+#: layers from one thread per device, and a scan between another's peek and pop would check
+#: an entry twice and pop one unchecked (or pop from an empty queue; an event query lets
+#: other threads run in between); an append between a rewrite's clear and extend would
+#: land before older checks
 _pending_lock = threading.Lock()
 
 
@@ -669,7 +673,8 @@ def defer_check(
         # the current device (a bare record() would mark the current device's stream)
         ready.record(torch.cuda.current_stream(buffer.device))
         values = host
-    _pending.append(_PendingCheck(values, ready, check, dissolved))
+    with _pending_lock:  # not between discard_pending's clear and extend
+        _pending.append(_PendingCheck(values, ready, check, dissolved))
 
 
 def discard_pending(participants: str) -> None:
