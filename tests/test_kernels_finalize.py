@@ -742,7 +742,7 @@ def test_the_shift_kernel_adds_its_offsets_in_64_bits() -> None:
             (data, bits, data, shift, 16, 3, near, near, 3, near, near, 3),
             {"MASKED": masked, "BLOCK_C": 128},
             90,
-        )  # fmt: skip
+        )
         for masked in (False, True)
     ]
     for masked, ir in zip((False, True), _compile_in_a_new_process(jobs, ttir=True)):

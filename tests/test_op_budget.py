@@ -16,10 +16,10 @@ and 27 / 16 masked (the count and position stay on the device; on an accelerator
 unmasked forward fills its count on the device, 1 kernel more: ``_protocol.pack_forward``);
 bfloat16 input with float32 parameters, forward 43 / 35 and backward 17 / 12 (its output is
 an eval-mode ``batch_norm``, which takes no offset; its input gradient is summed in float32
-and rounded once, as torch's: the input converted to float32 and the result back, the
-output gradient promoted inside the float32 ``addcmul_``, where one conversion of the scale
-to bfloat16 rounded it twice, 16 / 11 before 2026-12-06; 18 / 13 while the output gradient
-was converted on its own, until 2026-12-08). A host read (``_local_scalar_dense``)
+and rounded once, as torch's: the input converted to float32, the output gradient promoted
+inside the float32 ``addcmul_``, the result converted back; 16 / 11 before 2026-12-06, when
+one conversion of the scale to bfloat16 rounded it twice, and 18 / 13 until 2026-12-08,
+when the output gradient was converted on its own). A host read (``_local_scalar_dense``)
 counts as a kernel. Kernels are budgeted 1 over these counts, calls 2 over (torch 2.1-2.7
 count 1 more in one direction or the other). The shift of the local sums, a median of 9
 values (``sample_shift``: two ``minimum``, two ``maximum`` and two ``clamp``, and their
