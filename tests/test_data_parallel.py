@@ -452,6 +452,36 @@ def test_a_failed_step_does_not_fail_the_steps_after_it(monkeypatch: pytest.Monk
     assert failed == [1]  # before: [1, 2, 3], each step raising the last one's checks
 
 
+def test_a_deferred_problem_raised_in_backward_releases_the_other_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With deferred checks (the GPU default) the replicas share the process's queue of
+    checks, and the first replica to read a problem takes it from the others. Read in
+    backward (a global batch of one value per channel, checked after its forward), it
+    left the other replica waiting in its backward exchange for the layer's timeout (a
+    review, 2026-12-08, on CPU threads); that replica now raises at once, naming the
+    problem. The replicas run in CPU threads, with the GPU's deferred checks."""
+    from syncbn import _protocol
+
+    monkeypatch.setattr(_protocol, "resolve_check_mode", lambda mode, device: "deferred")
+    monkeypatch.setattr(_protocol, "_pending", _protocol.collections.deque())
+    layer = SynchronizedBatchNorm1d(4)
+    layer.sync_timeout = 30.0
+    replicas = replicate(layer, 2)
+    inputs = [torch.randn(1, 4, requires_grad=True), torch.randn(0, 4, requires_grad=True)]
+    outputs, errors = in_threads(lambda i: replicas[i](inputs[i]), 2)
+    assert errors == [None, None]  # checked later: deferred
+    _, errors = in_threads(lambda i: outputs[i].sum().backward(), 2)
+    # which replica reads the problem first varies; the other is released by it
+    problems = [error for error in errors if isinstance(error, ValueError)]
+    released = [error for error in errors if not isinstance(error, ValueError)]
+    assert len(problems) == 1 and len(released) == 1, errors
+    assert "Expected more than 1 value per channel when training" in str(problems[0])
+    message = str(released[0])
+    assert isinstance(released[0], RuntimeError), released[0]
+    assert "stopped in backward" in message and "raised ValueError" in message, message
+
+
 def test_a_failure_of_the_masters_sum_releases_the_others() -> None:
     """The master replica sums the round's buffers; if that raises (out of memory, a buffer
     it cannot read), the replicas waiting for the sum raise at once instead of waiting

@@ -235,7 +235,8 @@ class Reducer(Protocol):
     """Sums a float64 buffer over all participants of one synchronized layer call.
 
     :class:`ProcessGroupReducer` does it with one ``all_reduce`` over a process group;
-    :mod:`syncbn.data_parallel` does it between the replicas of one process.
+    :mod:`syncbn.data_parallel` does it between the replicas of one process, whose reducer
+    also has ``release_others(error)`` (see :func:`resolve_mode`).
     """
 
     @property
@@ -465,11 +466,21 @@ def resolve_mode(options: TrainOptions, device: torch.device) -> str:
     failed has left the step already), so they stop by themselves. Joining this call's
     collective with the error flag would meet no one there, and pair this rank's later
     collectives with the wrong calls of the others (after a caught error, training
-    would never recover, or a size mismatch would abort the processes).
+    would never recover, or a size mismatch would abort the processes). Replicas of one
+    process are the exception: they share its deferred checks, and the first to read a
+    problem takes it from the others, so a reducer with ``release_others``
+    (:class:`syncbn._replicas.ReplicaReducer`) releases them to raise too.
     """
     mode = _protocol.resolve_check_mode(options.layer.check_mode, device)
     if mode == "deferred":
-        _protocol.raise_deferred(device=device)  # a problem of an earlier call, now arrived
+        try:
+            _protocol.raise_deferred(device=device)  # a problem of an earlier call, now arrived
+        except Exception as error:
+            # (the other replicas would wait for this one until the layer's timeout)
+            release = getattr(options.reducer, "release_others", None)
+            if release is not None:
+                release(error)
+            raise
     return mode
 
 

@@ -189,6 +189,12 @@ class ReplicaReducer:
     def dissolved_test(self) -> None:
         return None  # a failed step's checks are discarded (DataParallelWithCallback)
 
+    def release_others(self, error: BaseException) -> None:
+        """Fail the rendezvous for the other replicas: this one raises ``error`` before its
+        collective (a deferred problem that it took from the queue they share; see
+        :func:`syncbn._autograd.resolve_mode`)."""
+        self.rendezvous.abort(self.copy_id, error)
+
 
 def joined_rendezvous(ctx: Any, copy_id: int, timeout: float, layer: str) -> ReplicaRendezvous:
     """Join, as ``copy_id``, the rendezvous that the copies of one layer keep on their ``ctx``.
