@@ -1084,6 +1084,25 @@ def test_the_functional_form_compiles_where_it_does_not_synchronize() -> None:
     torch.testing.assert_close(states[0], states[1])
 
 
+def test_an_immediate_compiled_call_caches_no_constant_for_its_factor() -> None:
+    """A compiled call with immediate checks hands its op the running statistics' factor,
+    which for ``momentum=None`` (a cumulative average, 1 / (n + 1)) is new at every call.
+    Taken from ``counted_update``'s cache, each call added a constant there (on CUDA a
+    thread and a copy through pinned memory) and, past 256, evicted those that other calls
+    read, a captured CUDA graph's by address (a review, 2026-12-08). The values are the
+    same: ``[1, factor]`` in float64."""
+    from syncbn._autograd import ReducedForward, counted_update
+
+    like = torch.zeros(3)
+    before = counted_update.cache_info().currsize
+    for step in range(1, 6):
+        reduced = ReducedForward(torch.zeros(5, dtype=torch.float64), 8, 1.0 / step, None)
+        update = _compiled._update(reduced, like)
+        expected = torch.tensor([1.0, 1.0 / step], dtype=torch.float64)
+        torch.testing.assert_close(update, expected, rtol=0, atol=0)
+    assert counted_update.cache_info().currsize == before
+
+
 def test_a_cumulative_average_compiles_where_it_does_not_synchronize() -> None:
     """``momentum=None`` alone: torch's forward reads the factor ``1 / num_batches_tracked``
     on the host, which ``fullgraph=True`` refused; the factor now stays on the device."""

@@ -62,7 +62,6 @@ from syncbn._autograd import (
     LayerInfo,
     ReducedForward,
     TrainOptions,
-    counted_update,
     first_given,
     input_problem,
     is_recomputing,
@@ -277,7 +276,11 @@ def _update(reduced: ReducedForward, like: torch.Tensor) -> torch.Tensor:
     if is_recomputing():
         return like.new_zeros(2)
     if reduced.update is None:  # immediate: the factor is a host number
-        return counted_update(float(reduced.factor), like.device).clone()
+        # not from counted_update's cache: a cumulative average's factor, 1 / (n + 1), is
+        # new at every call, and each would add a constant there (on CUDA a thread and a
+        # copy through pinned memory) and evict those that other calls read, a captured
+        # CUDA graph's by address; this call has read its buffer back already
+        return torch.tensor([1.0, float(reduced.factor)], dtype=torch.float64).to(like.device)
     # deferred: computed on the device, zeros where the checks fail
     return reduced.update
 
