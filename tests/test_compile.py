@@ -788,6 +788,24 @@ def test_layers_built_under_fake_tensor_mode_register_no_address() -> None:
     assert [tuple(output.shape) for output in outputs] == [(2, 3, 4, 4)] * 2
 
 
+def test_a_layer_built_under_fake_tensor_mode_leaves_no_fake_order_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first layer of a device creates its order token; built under ``FakeTensorMode``
+    (a memory estimator's model) that token was fake, and kept: every real layer built
+    later on the device took it, and its first compiled synchronized call failed
+    ("Please convert all Tensors to FakeTensors first"; a review, 2026-12-08). A fake
+    token is not kept now; the next real layer creates a real one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(_compiled, "_order_tokens", {})  # no token yet, as in a new process
+    with FakeTensorMode():
+        syncbn.SyncBatchNorm(3)
+    assert _compiled._order_tokens == {}
+    syncbn.SyncBatchNorm(3)
+    assert [type(token) for token in _compiled._order_tokens.values()] == [torch.Tensor]
+
+
 _FUNCTIONAL_IN_A_FRESH_PROCESS = """
 import torch
 from syncbn.functional import sync_batch_norm

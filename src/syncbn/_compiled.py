@@ -667,6 +667,10 @@ def order_token(device: torch.device) -> torch.Tensor:
             # cannot be advanced in place outside inference mode, by any later training call
             with torch.inference_mode(False):
                 token = torch.zeros(1, device=device)
+            if type(token) is not torch.Tensor:
+                # a fake one (a layer built under FakeTensorMode, as memory estimators build
+                # models): not kept, or every later real graph on the device would read it
+                return token
         _order_tokens[str(device)] = token
     return token
 
