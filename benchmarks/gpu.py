@@ -274,9 +274,20 @@ def _resnet50_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def _training_step(
-    model: nn.Module, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, target: Any
+    model: nn.Module,
+    run: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    target: Any,
+    set_to_none: bool = False,
 ) -> Callable[[], None]:
-    """One SGD step of ``model`` (called as ``run``) under bfloat16 autocast."""
+    """One SGD step of ``model`` (called as ``run``) under bfloat16 autocast.
+
+    Its gradients are zeroed in place (a whole step captured in one CUDA graph needs them
+    at fixed addresses), or with ``set_to_none`` dropped: a step compiled with
+    ``mode="reduce-overhead"`` gets its gradients in CUDA graph trees' memory, which the
+    next step's graphs overwrite, so that zeroing or adding to them there fails ("accessing
+    tensor output of CUDAGraphs that has been overwritten", pytorch/pytorch#169545).
+    """
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step() -> None:
@@ -284,7 +295,7 @@ def _training_step(
             loss = nn.functional.cross_entropy(run(x), target)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     return step
 
@@ -399,7 +410,7 @@ def _compiled_step_rank(rank: int, world_size: int, quick: bool, kind: str, mode
     base, x, target = _resnet50_batch()
     model = _on_gpu(base, kind, group)
     compiled = torch.compile(model, fullgraph=True, mode=mode)
-    train_step = _training_step(model, compiled, x, target)
+    train_step = _training_step(model, compiled, x, target, set_to_none=True)
 
     def step() -> None:
         # each step a new generation of cudagraph trees, as torch advises for training

@@ -406,8 +406,16 @@ def _compiled_cuda(rank: int, world_size: int, mode: str) -> dict[str, Any]:
                 # output ("accessing tensor output of CUDAGraphs that has been overwritten"),
                 # and so did cuDNN BatchNorm's step in benchmarks/gpu.py
                 torch.compiler.cudagraph_mark_step_begin()
+            # each step's gradients alone, dropped before the next: a compiled step's are in
+            # CUDA graph trees' memory, which the next step's graphs overwrite, so adding to
+            # them there failed the same way (pytorch/pytorch#169545; a review, 2026-12-08)
+            model.zero_grad(set_to_none=True)
             run(x).square().sum().backward()
         results[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # the last step's gradients: the compiled backward (syncbn's backward op) checked too
+        for key, parameter in model.named_parameters():
+            assert parameter.grad is not None, key
+            results[name][f"{key}.grad"] = parameter.grad.detach().cpu()
     return results
 
 
