@@ -165,14 +165,16 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             deferred elsewhere). Default: ``"auto"``
 
     .. note::
-        A training step reads nothing back from an accelerator (the global count and the
-        running-statistics update stay on the device), so it can be captured in a CUDA
-        graph, and ``torch.compile(model, fullgraph=True)`` traces the layer without a
-        graph break. When every rank's batch is empty the output is empty, as in torch.
-        (CUDA: run on an H200 on 2026-12-04, no host sync per layer call;
+        A synchronized training step reads nothing back from an accelerator (the global
+        count and the running-statistics update stay on the device), so it can be captured
+        in a CUDA graph, and ``torch.compile(model, fullgraph=True)`` traces the layer
+        without a graph break. When every rank's batch is empty the output is empty, as in
+        torch. (CUDA: run on an H200 on 2026-12-04, no host sync per layer call;
         docs/performance.md, "On a GPU".) With deferred checks, call
         :func:`syncbn.check_deferred` after the last step, so that a problem of its
-        collectives is raised rather than lost.
+        collectives is raised rather than lost. An unmasked layer that runs alone (no process
+        group of more than one rank) in eager mode is torch's BatchNorm: with
+        ``momentum=None`` it reads its batch counter back, as torch's does.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions, contiguous or channels_last.
