@@ -47,19 +47,11 @@ def compile_jobs(jobs: list[CompileJob]) -> list[str]:
     float64 maths with numpy's correct rounding, so a GPU's approximation
     (``tl.math.rsqrt`` compiles to ``rsqrt.approx.f64``) would pass every interpreted test
     and lose the float64 statistics' exactness on a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     failures = []
     for job in jobs:
-        module_name, kernel_name = job.name.split(".")
-        kernel = getattr(importlib.import_module(f"syncbn._kernels.{module_name}"), kernel_name)
+        kernel = _kernel(job)
         try:
-            source = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
-            binary = triton.compile(
-                source, target=GPUTarget("cuda", job.arch, 32), options=job.options
-            )
+            binary = _compiled(kernel, job)
             if not binary.asm["cubin"]:
                 raise RuntimeError("no machine code")
             approximate = re.findall(r"\b\w+\.approx(?:\.ftz)?\.f64\b", binary.asm["ptx"])
@@ -72,18 +64,23 @@ def compile_jobs(jobs: list[CompileJob]) -> list[str]:
 
 def triton_ir(jobs: list[CompileJob]) -> list[str]:
     """Each job's Triton IR (TTIR) as compiled for its GPU."""
+    return [_compiled(_kernel(job), job).asm["ttir"] for job in jobs]
+
+
+def _kernel(job: CompileJob) -> Any:
+    """The Triton kernel that ``job`` names, from ``syncbn._kernels``."""
+    module_name, kernel_name = job.name.split(".")
+    return getattr(importlib.import_module(f"syncbn._kernels.{module_name}"), kernel_name)
+
+
+def _compiled(kernel: Any, job: CompileJob) -> Any:
+    """``kernel`` compiled as ``job`` specializes it, for ``job``'s GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    irs = []
-    for job in jobs:
-        module_name, kernel_name = job.name.split(".")
-        kernel = getattr(importlib.import_module(f"syncbn._kernels.{module_name}"), kernel_name)
-        source = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
-        binary = triton.compile(source, target=GPUTarget("cuda", job.arch, 32), options=job.options)
-        irs.append(binary.asm["ttir"])
-    return irs
+    source = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
+    return triton.compile(source, target=GPUTarget("cuda", job.arch, 32), options=job.options)
 
 
 def main(argv: list[str]) -> int:
