@@ -244,6 +244,80 @@ def test_a_training_call_on_the_meta_device_infers_batchnorms_shapes(
     _protocol.raise_deferred(wait=True)
 
 
+def _train_call(
+    path: str, layer: syncbn.SyncBatchNorm, x: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """A training call of ``layer`` by ``path``: the layer alone with a mask (syncbn's own
+    path; unmasked it is torch's BatchNorm), or the synchronized path in one process."""
+    if path == "synchronized":
+        info = _autograd.LayerInfo("fake", layer.num_features, check_mode=layer.check_mode)
+        options = _autograd.TrainOptions(_autograd.LocalReducer(), info)
+        return _autograd.sync_batch_norm_train(
+            x,
+            layer.weight,
+            layer.bias,
+            options,
+            running_mean=layer.running_mean,
+            running_var=layer.running_var,
+            num_batches_tracked=layer.num_batches_tracked,
+        )
+    return layer(x, mask if path == "layer-masked" else None)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("check_mode", ["auto", "immediate", "deferred"])
+@pytest.mark.parametrize("path", ["layer-masked", "synchronized"])
+def test_a_training_call_under_fake_tensor_mode_leaves_real_calls_undisturbed(
+    path: str, check_mode: str
+) -> None:
+    """Memory and runtime estimators run a model under ``FakeTensorMode`` (tensors with
+    shapes and no values), often between real steps. A fake training call gives
+    BatchNorm's shapes; before 2026-12-08 an immediate one raised (its checks read the
+    header back), and a deferred one left fake tensors behind: its constants in syncbn's
+    caches and its checks in the queue, which the next real call read and failed on
+    (``DataDependentOutputException``). Neither is kept now, the real calls' pending checks
+    wait for a real call, and real calls before and after give BatchNorm's numbers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def real_steps() -> None:
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, 5, 6, dtype=torch.float64, requires_grad=True)
+        mask = torch.ones(4, 5, 6, dtype=torch.bool)  # all valid: BatchNorm's numbers
+        layer = syncbn.SyncBatchNorm(3, dtype=torch.float64)
+        layer.check_mode = check_mode
+        reference = nn.BatchNorm2d(3, dtype=torch.float64)
+        for _ in range(2):  # the second call inspects the first's deferred checks
+            output = _train_call(path, layer, x, mask)
+            expected = reference(x)
+            torch.testing.assert_close(output, expected)
+            grads = torch.autograd.grad(output.sum() + (output**2).sum(), x)
+            torch.testing.assert_close(
+                grads, torch.autograd.grad(expected.sum() + (expected**2).sum(), x)
+            )
+        torch.testing.assert_close(layer.running_var, reference.running_var)
+
+    real_steps()  # real constants in the caches, a real check pending where deferred
+    with FakeTensorMode() as fake_mode:  # refuses real tensors: the model and batch are fake
+        # found by its key, and by the search of a torch that has none (the same mode)
+        assert _protocol.faking() and _protocol._fake_mode_in_stack() is fake_mode
+        x = torch.empty(4, 3, 5, 6).to(memory_format=torch.channels_last).requires_grad_()
+        layer, reference = syncbn.SyncBatchNorm(3), nn.BatchNorm2d(3)
+        layer.check_mode = check_mode
+        output = _train_call(path, layer, x, torch.rand(4, 5, 6) < 0.5)
+        expected = reference(x)
+        grads = torch.autograd.grad(output.sum(), (x, layer.weight, layer.bias))
+        expected_grads = torch.autograd.grad(expected.sum(), (x, reference.weight, reference.bias))
+        for actual, wanted in ((output, expected), *zip(grads, expected_grads)):
+            assert (actual.shape, actual.dtype, actual.stride()) == (
+                wanted.shape,
+                wanted.dtype,
+                wanted.stride(),
+            )
+        syncbn.check_deferred()  # the real checks wait: their values are not fake
+    assert all(type(pending.values) is torch.Tensor for pending in _protocol._pending)
+    real_steps()
+    _protocol.raise_deferred(wait=True)
+
+
 @pytest.mark.parametrize("order", [(0, 3, 1, 2), (2, 0, 3, 1)])
 def test_output_gradients_laid_out_otherwise_give_the_same_gradients(
     order: tuple[int, ...],

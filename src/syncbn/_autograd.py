@@ -14,7 +14,6 @@ and the running statistics are updated with device-side factors.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -506,7 +505,7 @@ class ReducedForward(NamedTuple):
     keep: torch.Tensor | None = None
 
 
-@functools.lru_cache(maxsize=256)
+@_protocol.constant_cache(maxsize=256)
 def counted_update(
     factor: float, device: torch.device, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
@@ -515,7 +514,7 @@ def counted_update(
     return _protocol.on_device([1.0, factor], dtype, device)
 
 
-@functools.lru_cache(maxsize=256)
+@_protocol.constant_cache(maxsize=256)
 def _moving_terms(
     factor: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,7 +527,7 @@ def _moving_terms(
     return base, steps
 
 
-@functools.lru_cache(maxsize=256)
+@_protocol.constant_cache(maxsize=256)
 def _divisor_terms(device: torch.device) -> tuple[torch.Tensor, ...]:
     """Four ``(3, 1)`` float64 columns: offsets, signs, lower and upper bounds of
     :func:`count_divisors`, built (and unbound) once per device."""

@@ -53,14 +53,17 @@ import functools
 import threading
 import zlib
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
+from torch._subclasses import fake_tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = [
     "CHECK_MODES",
     "COMPILED_BACKWARD",
     "COUNT_SLOT",
+    "ConstantCache",
     "FORWARD_HEADER_VALUES",
     "Header",
     "HeaderCheck",
@@ -69,10 +72,12 @@ __all__ = [
     "backward_size",
     "backward_totals",
     "check_now",
+    "constant_cache",
     "count_slot",
     "defer_check",
     "device_flags",
     "discard_pending",
+    "faking",
     "fingerprint",
     "forward_moments",
     "forward_fingerprint",
@@ -146,6 +151,70 @@ _MAX_DESCRIBED = 4096
 _described_lock = threading.Lock()
 #: the directions a backward fingerprint names, as :func:`_layers_with_fingerprint` says them
 _BACKWARD_PHASES = (("backward", "in backward"), (COMPILED_BACKWARD, "in a compiled backward"))
+
+
+def _fake_mode_in_stack() -> Any:
+    """The active ``FakeTensorMode``, on a torch that keeps no key for it."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, fake_tensor.FakeTensorMode):
+            return mode
+    return None
+
+
+_FAKE_MODE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+#: the active ``FakeTensorMode``, or ``None`` (one C call where torch keeps it under a key)
+_active_fake_mode: Callable[[], Any] = (
+    _fake_mode_in_stack
+    if _FAKE_MODE_KEY is None
+    else functools.partial(torch._C._get_dispatch_mode, _FAKE_MODE_KEY)
+)
+
+
+def faking() -> bool:
+    """Whether a ``FakeTensorMode`` is active: the tensors of this call have shapes and no
+    values (memory and runtime estimators run models so, as dynamo traces them).
+
+    Such a call reads nothing back (its checks are deferred, and never recorded), keeps no
+    constant (:func:`constant_cache`) and leaves the real calls' deferred checks queued.
+    """
+    return _active_fake_mode() is not None
+
+
+_Built = TypeVar("_Built", covariant=True)
+
+
+class ConstantCache(Protocol[_Built]):
+    """A function decorated by :func:`constant_cache`."""
+
+    def __call__(self, *args: Any) -> _Built: ...
+
+    def cache_info(self) -> Any:
+        """The real calls' cache statistics (``functools.lru_cache``'s)."""
+
+
+def constant_cache(maxsize: int) -> Callable[[Callable[..., _Built]], ConstantCache[_Built]]:
+    """``functools.lru_cache(maxsize)`` for a function that builds syncbn's constants with
+    :func:`on_device`, bypassed while :func:`faking`.
+
+    A constant built under ``FakeTensorMode`` is a fake tensor: cached, every later real
+    call would read it (and fail), and a real cached constant is an input that a fake mode
+    refuses. A fake call builds its own, kept by no one. The check costs ~0.1 µs a lookup
+    (a deferred layer call makes ten).
+    """
+
+    def decorate(build: Callable[..., _Built]) -> ConstantCache[_Built]:
+        cached = functools.lru_cache(maxsize)(build)
+
+        @functools.wraps(build)
+        def lookup(*args: Any) -> _Built:
+            if _active_fake_mode() is not None:
+                return build(*args)
+            return cached(*args)
+
+        lookup.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return lookup  # type: ignore[return-value]
+
+    return decorate
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,7 +315,7 @@ def _ranks_needing_grad(header: Header, world_size: int, own: int) -> int | None
     return needing
 
 
-@functools.lru_cache(maxsize=1024)
+@constant_cache(maxsize=1024)
 def _buffer_ends(
     fingerprint: int, count: int | None, error: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,7 +530,7 @@ def _outside_graph_pools(host: torch.Tensor, device: torch.device) -> torch.Tens
     return copied[0]
 
 
-@functools.lru_cache(maxsize=256)
+@constant_cache(maxsize=256)
 def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Tensor:
     """Error, fingerprint sums, trailer; for a forward buffer then the count, and the same
     again with the count twice: two rows of six, which :func:`device_flags` compares."""
@@ -473,7 +542,7 @@ def _header_slots(length: int, forward: bool, device: torch.device) -> torch.Ten
     return on_device(rows, torch.int64, device)
 
 
-@functools.lru_cache(maxsize=1024)
+@constant_cache(maxsize=1024)
 def _expected_header(world_size: int, fingerprint: int, device: torch.device) -> torch.Tensor:
     """A passing forward header (:func:`_header_slots`): no error, every rank's
     fingerprint; then the counts that the count slots must *not* hold: 1 (an error), and
@@ -484,7 +553,7 @@ def _expected_header(world_size: int, fingerprint: int, device: torch.device) ->
     return on_device(rows, PACK_DTYPE, device)
 
 
-@functools.lru_cache(maxsize=256)
+@constant_cache(maxsize=256)
 def _passing_comparison(device: torch.device) -> torch.Tensor:
     """Which slots of a passing forward header equal :func:`_expected_header`'s."""
     rows = [True, True, True, True, False, True] + [True, True, True, True, False, False]
@@ -652,7 +721,8 @@ def defer_check(
     """Start copying the header to the host without waiting; :func:`raise_deferred` checks it.
 
     Inside a CUDA graph capture nothing is recorded: the host is not there at replay; nor
-    for a buffer on the meta device, which holds no values (shape inference).
+    for a buffer on the meta device or under ``FakeTensorMode`` (:func:`faking`), which
+    holds no values (shape inference).
 
     Args:
         values: the buffer's :func:`header_values`, if the caller has them already.
@@ -660,7 +730,7 @@ def defer_check(
             (a destroyed process group), if they can: the check is then dropped unread,
             and never raises in the call of participants that met later.
     """
-    if buffer.device.type == "meta" or _is_capturing(buffer.device):
+    if buffer.device.type == "meta" or faking() or _is_capturing(buffer.device):
         return
     if values is None:
         values = header_values(buffer, forward=check.phase == "forward")
@@ -695,7 +765,8 @@ def raise_deferred(wait: bool = False, device: torch.device | None = None) -> No
 
     Checks are inspected in call order; one whose copy has not finished stops the scan
     (unless ``wait``, which waits for it). Inspected checks are forgotten, and so are,
-    unread, those of a process group destroyed since.
+    unread, those of a process group destroyed since. Under ``FakeTensorMode``
+    (:func:`faking`) nothing is read: the pending checks, of real calls, wait for a real one.
 
     Args:
         device: the calling layer's device, whose stream may be capturing a CUDA graph
@@ -704,6 +775,8 @@ def raise_deferred(wait: bool = False, device: torch.device | None = None) -> No
     capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
     if capturing or (device is not None and _is_capturing(device)):
         return  # querying an event would invalidate the capture; checked after it
+    if faking():
+        return
     with _pending_lock:
         problem = _first_arrived_problem(wait)
     if problem is not None:
@@ -735,7 +808,7 @@ def resolve_check_mode(mode: str, device: torch.device) -> str:
     """``"immediate"`` or ``"deferred"`` for a layer's ``check_mode`` on ``device``."""
     if mode not in CHECK_MODES:
         raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
-    if device.type == "meta":  # no values to read now: deferred, where nothing is kept
+    if device.type == "meta" or faking():  # no values to read: deferred, and nothing kept
         return "deferred"
     if mode == "auto":
         return "immediate" if device.type == "cpu" else "deferred"

@@ -71,7 +71,9 @@ def check_deferred() -> None:
     It waits for the pending checks' headers (on a GPU, for the device to reach them) and
     forgets the checks it inspected; with immediate checks nothing is pending and it
     returns at once. Inside a CUDA graph capture it does nothing (the checks run after
-    the capture). Checks of a process group destroyed since are dropped unread.
+    the capture), nor under ``FakeTensorMode`` (a fake call records no check, and the real
+    calls' checks wait for a real call). Checks of a process group destroyed since are
+    dropped unread.
 
     Raises:
         RuntimeError, ValueError: the problem, its message starting with

@@ -24,8 +24,6 @@ keep it where a GPU run finds it faster than the generic kernels).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from syncbn._kernels import generic
@@ -36,7 +34,7 @@ from syncbn._kernels.generic import (
     local_moments,
     zero_padded,
 )
-from syncbn._protocol import on_device
+from syncbn._protocol import constant_cache, on_device
 
 __all__ = ["backward_reduce", "input_grad", "local_moments", "normalize", "zero_padded"]
 
@@ -45,7 +43,7 @@ _INT32_MAX = 2**31 - 1
 _COUNT_PARTS = 16
 
 
-@functools.lru_cache(maxsize=64)
+@constant_cache(maxsize=64)
 def _part_offsets(device: torch.device) -> torch.Tensor:
     """``[0, 1, ..., _COUNT_PARTS - 1]`` in float64 on ``device``."""
     return on_device(list(range(_COUNT_PARTS)), torch.float64, device)

@@ -45,8 +45,6 @@ compiler refuses).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -86,7 +84,7 @@ def applies(
     return all(t is None or t.is_contiguous() for t in tensors)
 
 
-@functools.lru_cache(maxsize=64)
+@_protocol.constant_cache(maxsize=64)
 def epsilon(eps: float, device: torch.device) -> torch.Tensor:
     """``eps`` in float64 on ``device``: Triton would pass a Python float as float32."""
     return _protocol.on_device([eps], torch.float64, device)

@@ -11,13 +11,12 @@ in float64. The big passes are fused torch kernels:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 
-from syncbn._protocol import on_device
+from syncbn._protocol import constant_cache, on_device
 from syncbn._stats import stat_dtype, unshifted_sums
 
 __all__ = [
@@ -69,7 +68,7 @@ def channel_view(vector: torch.Tensor, ndim: int) -> torch.Tensor:
     return vector.view(1, -1, *(1,) * (ndim - 2))  # sizes as arguments: parsed faster than a list
 
 
-@functools.lru_cache(maxsize=64)
+@constant_cache(maxsize=64)
 def constants(
     num_channels: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
