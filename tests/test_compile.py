@@ -772,6 +772,29 @@ def test_a_site_tensor_is_found_by_alias_without_a_host_read() -> None:
     assert all(device.type != "meta" for device, _ in _compiled._site_tensors)
 
 
+def test_a_layer_without_per_channel_tensors_puts_its_site_where_it_is_built() -> None:
+    """A layer with no weight, bias or running statistics has no tensor to take its site
+    tensor's device from: it was put on the CPU whatever the layer was built for, and a
+    CPU input to a compiled CUDA graph makes ``mode="reduce-overhead"`` skip CUDA graphs
+    (tests/test_cuda.py checks ``device="cuda"``). It goes to the ``device`` argument, or
+    to torch's default device; a converted one where a layer built without a device
+    would be; a move takes it along."""
+
+    def tensorless(device: str | None = None) -> syncbn.SyncBatchNorm:
+        return syncbn.SyncBatchNorm(3, affine=False, track_running_stats=False, device=device)
+
+    assert tensorless("meta")._site.is_meta
+    with torch.device("meta"):
+        assert tensorless()._site.is_meta
+    on_cpu = tensorless()
+    assert on_cpu._site.device == torch.device("cpu")
+    bn = nn.BatchNorm2d(3, affine=False, track_running_stats=False)
+    converted = syncbn.convert_sync_batchnorm(bn)  # its twin is built on the meta device
+    assert isinstance(converted, syncbn.SyncBatchNorm)
+    assert converted._site.device == torch.device("cpu")
+    assert on_cpu.to("meta")._site.is_meta
+
+
 def test_layers_built_under_fake_tensor_mode_register_no_address() -> None:
     """A fake site tensor (a model built under ``FakeTensorMode``, as memory estimators
     build one) has no address: reading it warned (deprecated, to become an error) and put

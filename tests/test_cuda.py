@@ -506,6 +506,15 @@ def test_the_compiled_forward_op_calls_its_implementation_directly_on_cuda() -> 
     assert forward_op_calls(torch.device("cuda")) == ["direct"]
 
 
+def test_a_layer_without_per_channel_tensors_built_on_cuda_has_its_site_there() -> None:
+    """Its site tensor, an input of every compiled graph of the layer, on the GPU: on the
+    CPU, CUDA graph trees (``mode="reduce-overhead"``) skip graphs with a CPU input."""
+    layer = syncbn.SyncBatchNorm(3, affine=False, track_running_stats=False, device="cuda")
+    assert layer._site.device == torch.device("cuda", torch.cuda.current_device())
+    with torch.device("cuda"):
+        assert syncbn.SyncBatchNorm(3, affine=False, track_running_stats=False)._site.is_cuda
+
+
 def test_check_deferred_waits_for_the_headers_copy_on_cuda() -> None:
     """``syncbn.check_deferred()`` after a run's last call: it waits for the header's copy
     to pinned memory (CUDA's event) and raises that call's problem, here a masked call of a

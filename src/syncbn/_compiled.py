@@ -78,6 +78,7 @@ from syncbn._kernels.generic import constants
 __all__ = [
     "FULLGRAPH",
     "SyncSite",
+    "device_built_for",
     "is_compiling",
     "leaf_call_when_fx_traced",
     "outside_graph",
@@ -136,6 +137,14 @@ def site_tensor(site: SyncSite, device: torch.device, key: int | None = None) ->
     if device.type != "meta" and type(tensor) is torch.Tensor:
         _site_tensors[tensor.device, tensor.data_ptr()] = tensor
     return tensor
+
+
+def device_built_for(device: Any) -> torch.device:
+    """Where a layer built with ``device`` (a factory argument, maybe ``None``) would put its
+    tensors: that device, or torch's default one (``torch.set_default_device``, a ``with
+    torch.device(...)`` block), with an index for an accelerator. A layer without
+    per-channel tensors puts its site tensor there."""
+    return torch.empty(0, device=device).device
 
 
 def site_key(tensor: torch.Tensor) -> int:

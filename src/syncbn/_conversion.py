@@ -21,6 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
+from syncbn._compiled import device_built_for
 from syncbn.distributed import check_process_group
 
 __all__ = [
@@ -120,10 +121,11 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         twin = cls(*settings, **kwargs)  # a few per-channel tensors, replaced at once
     share_state(source, twin)  # None entries too (torch >= 2.13's bias=False)
     carry_parametrizations(source, twin)
-    # a SyncBatchNorm built on the meta device now holds tensors on another device
+    # a SyncBatchNorm built on the meta device now holds tensors on another device; one
+    # without per-channel tensors puts its site where a layer built without a device would
     prepare = getattr(twin, "_prepare_compiled_state", None)
     if prepare is not None:
-        prepare()
+        prepare(lambda: device_built_for(None))
     return twin
 
 

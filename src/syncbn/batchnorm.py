@@ -228,7 +228,10 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         # tests and benchmarks only: synchronize through the process group even when it has
         # one rank (where the layer is otherwise plain BatchNorm), to measure the sync path
         self._sync_alone = False
-        self._prepare_compiled_state()  # the layer's site tensor (_site) and order token
+        # the layer's site tensor (_site) and order token; without per-channel tensors, on
+        # the device the layer is built for (a CPU site in a CUDA model made CUDA graphs
+        # skip its compiled graphs)
+        self._prepare_compiled_state(lambda: _compiled.device_built_for(device))
 
     def reset_parameters(self) -> None:
         if not reset_without_bias(self):
@@ -254,7 +257,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         tensors, the layer's site tensor (:func:`syncbn._compiled.site_tensor`, a new one
         if it is elsewhere) and the device's order token (:func:`syncbn._compiled.order_token`;
         a graph that created it would recompile). A layer without per-channel tensors keeps
-        its site tensor on ``device_without_tensors()``, else where it is (CPU at first).
+        its site tensor on ``device_without_tensors()``, else where it is.
         """
         site = self.__dict__.get("_site")  # none yet in __init__ and __setstate__
         per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
@@ -263,7 +266,7 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         elif device_without_tensors is not None:
             device = device_without_tensors()
         else:
-            device = torch.device("cpu") if site is None else site.device
+            device = _compiled.device_built_for(None) if site is None else site.device
         if site is None or site.device != device:
             key = None if site is None else _compiled.site_key(site)
             self._site = _compiled.site_tensor(self, device, key)
