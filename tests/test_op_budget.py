@@ -162,6 +162,33 @@ def test_a_training_call_stays_within_its_op_budget(kind: str) -> None:
     assert "native_batch_norm_backward" in backward.names, backward.names
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_a_low_precision_backward_off_the_cpu_converts_its_input_once(masked: bool) -> None:
+    """Off the CPU a bfloat16 backward sums from float32 copies (``backward_reduce``: a GPU
+    kernel accumulates such data in its own dtype) and computes its input gradient from a
+    float32 input (rounded once, as torch's): one copy of the input serves both. Each made
+    its own before 2026-12-08, three conversions of a full tensor where two are needed (the
+    input and the output gradient), and one back. The meta device takes that path on the
+    CPU machine (its ops run no kernel; what is counted is the calls)."""
+    meta = torch.device("meta")
+    x = torch.empty(4, 8, 3, 3, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.empty(8, device=meta, requires_grad=True)
+    bias = torch.empty(8, device=meta, requires_grad=True)
+    mask = torch.ones(4, 3, 3, dtype=torch.bool, device=meta) if masked else None
+    options = TrainOptions(LocalReducer(), LayerInfo("low", 8, check_mode="deferred"))
+    buffers = (torch.empty(8, device=meta), torch.empty(8, device=meta), None)
+    y = train_call(x, weight, bias, options, *buffers, mask=mask)
+    with _Ops() as backward:
+        torch.autograd.grad(y, (x, weight, bias), torch.empty_like(y))
+    conversions = [
+        (args[0].dtype, kwargs.get("dtype"))
+        for func, args, kwargs in backward.calls
+        if func.overloadpacket.__name__ == "_to_copy" and args[0].shape == x.shape
+    ]
+    widened, narrowed = (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)
+    assert sorted(conversions, key=str) == [widened, widened, narrowed], conversions
+
+
 #: kernels per call of the compiled ops' bodies, forward by check mode, and backward
 COMPILED_BUDGETS = {"immediate": 6, "deferred": 9, "backward": 4}
 
