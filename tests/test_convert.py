@@ -117,6 +117,122 @@ def test_convert_model_leaves_an_unmaterialised_lazy_batchnorm_with_a_warning() 
     assert isinstance(model[1], nn.LazyBatchNorm1d)
 
 
+@pytest.mark.parametrize("forward_first", [False, True], ids=["loaded", "loaded-then-run"])
+@pytest.mark.parametrize("converter", ["convert_sync_batchnorm", "convert_model"])
+def test_a_lazy_batchnorm_materialised_by_load_state_dict_converts(
+    converter: str, forward_first: bool
+) -> None:
+    """``load_state_dict`` materialises a lazy layer's tensors but keeps its lazy class (until
+    its first forward) and ``num_features = 0`` (for good: torch sets it only where a forward
+    materialises). Both converters left it lazy with a warning to run a forward (which then
+    made it an unsynchronized BatchNorm2d), and a twin of one that had run took 0 channels
+    and refused every input (a review, 2026-12-08). Now it converts, with the channel count
+    of its tensors, and reverts to the BatchNorm2d its forward would have made it."""
+    torch.manual_seed(0)
+    trained = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    trained(torch.randn(4, 3, 6, 6))  # running statistics that are not the defaults
+    trained.eval()
+    model = nn.Sequential(nn.LazyConv2d(3, 1), nn.LazyBatchNorm2d())
+    model.load_state_dict(trained.state_dict())
+    weight = model[1].weight
+    x = torch.randn(4, 3, 6, 6)
+    if forward_first:
+        model.eval()(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lazy layer left" warning
+        converted = (
+            syncbn.convert_sync_batchnorm(model)
+            if converter == "convert_sync_batchnorm"
+            else convert_model(model)
+        )
+    assert converted is model
+    layer = model[1]
+    assert isinstance(
+        layer, SynchronizedBatchNorm2d if converter == "convert_model" else syncbn.SyncBatchNorm
+    )
+    assert layer.num_features == 3 and layer.weight is weight
+    torch.testing.assert_close(model.eval()(x), trained(x))
+    if converter == "convert_sync_batchnorm":
+        syncbn.revert_sync_batchnorm(model)
+        assert type(model[1]) is nn.BatchNorm2d
+
+
+class _Floor(nn.Module):
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return value.clamp_min(1e-3)
+
+
+def test_a_batchnorm_with_a_parametrized_buffer_converts_and_reverts() -> None:
+    """A running statistic parametrized with ``torch.nn.utils.parametrize`` lives under
+    ``parametrizations``, not among the layer's buffers: conversion deleted the twin's
+    buffer of that name as one the layer did not have, and carrying the parametrization
+    over then raised that the twin had no such buffer (a review, 2026-12-08; torch's
+    converter takes it). It is carried over as a parametrized weight is; the numbers are
+    those of the original (whose running statistics, computed, move as torch's do)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "running_var", _Floor())
+    original = copy.deepcopy(model)
+    parametrizations = model[0].parametrizations
+    syncbn.convert_sync_batchnorm(model)
+    assert isinstance(model[0], syncbn.SyncBatchNorm)
+    assert model[0].parametrizations is parametrizations
+    x = torch.randn(4, 3, 5, 5)
+    for mode in (True, False):
+        torch.testing.assert_close(model.train(mode)(x), original.train(mode)(x))
+    assert model.state_dict().keys() == original.state_dict().keys()
+    syncbn.revert_sync_batchnorm(model)
+    assert torch.nn.utils.parametrize.type_before_parametrizations(model[0]) is nn.BatchNorm2d
+    assert model.state_dict().keys() == original.state_dict().keys()
+
+
+class _CalibratedBatchNorm2d(nn.BatchNorm2d):
+    """Keeps BatchNorm's forward, and state of its own in ``state_dict``."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.calibration = 0
+
+    def get_extra_state(self) -> Any:
+        return {"calibration": self.calibration}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calibration = state["calibration"]
+
+
+def test_a_batchnorm_subclass_with_extra_state_is_left_with_a_warning() -> None:
+    """A twin of another class drops what ``get_extra_state`` keeps: the converted model's
+    ``state_dict`` lost the key, its checkpoints no longer loaded, and reverting gave back
+    the class with its default state (a review, 2026-12-08; torch's converter drops it
+    too). Like a class with its own forward, it is left unless a converter is registered."""
+    layer = _CalibratedBatchNorm2d(3)
+    layer.calibration = 42
+    model = nn.Sequential(layer)
+    with pytest.warns(UserWarning, match=r"'0' \(_CalibratedBatchNorm2d\).*get_extra_state"):
+        syncbn.convert_sync_batchnorm(model)
+    with pytest.warns(UserWarning, match=r"'0' \(_CalibratedBatchNorm2d\): it keeps extra state"):
+        convert_model(model)
+    assert model[0] is layer and layer.calibration == 42
+    assert "0._extra_state" in model.state_dict()
+
+
+def test_a_failed_conversion_leaves_synchronized_layers_as_they_were() -> None:
+    """The layers synchronized already took their new names and settings while the model
+    was walked, before a later layer's converter raised: the model was left half changed
+    (a review, 2026-12-08). They are set once every replacement is built."""
+
+    def to_sync(module: BatchNormAct2d) -> nn.Module:
+        raise RuntimeError("this converter refuses")
+
+    syncbn.register_converter(BatchNormAct2d, to_sync)
+    first = syncbn.SyncBatchNorm(3)
+    identity = first.layer_identity
+    model = nn.Sequential(first, BatchNormAct2d(3))
+    with pytest.raises(RuntimeError, match="this converter refuses"):
+        syncbn.convert_sync_batchnorm(model, check_layer_order=False)
+    assert (first.layer_name, first.layer_identity, first.check_layer_order) == ("", identity, True)
+
+
 def test_converted_model_computes_what_the_original_did() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())

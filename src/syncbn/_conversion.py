@@ -15,10 +15,12 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any, NamedTuple, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from syncbn._compiled import device_built_for
@@ -30,13 +32,17 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "batchnorm_twin",
     "carry_parametrizations",
+    "channels",
     "computed_parameters",
     "convert_modules",
+    "converted_class",
     "converter_for",
     "describe_module",
+    "keeps_extra_state",
     "register_converter",
     "replace_modules",
     "share_state",
+    "unmaterialised",
 ]
 
 _BatchNormT = TypeVar("_BatchNormT", bound=_BatchNorm)
@@ -91,9 +97,11 @@ def share_state(source: nn.Module, target: nn.Module) -> nn.Module:
         target.register_buffer(name, buffer, persistent=persistent)
     # a running statistic that ``source`` no longer has at all (deleted: a checkpoint of
     # torch < 0.4.1 had no num_batches_tracked) is absent from ``target`` too, not the
-    # meta-device tensor of its constructor
+    # meta-device tensor of its constructor; a parametrized one is carried over with its
+    # parametrization (carry_parametrizations)
     for name in _BATCHNORM_BUFFERS:
-        if name not in source._buffers and name in target._buffers:
+        absent = name not in source._buffers and not parametrize.is_parametrized(source, name)
+        if absent and name in target._buffers:
             delattr(target, name)
     target.train(source.training)
     if hasattr(source, "qconfig"):
@@ -109,7 +117,7 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
     the five BatchNorm settings.
     """
     settings = (
-        source.num_features,
+        channels(source),
         source.eps,
         source.momentum,
         source.affine,
@@ -127,6 +135,39 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
     if prepare is not None:
         prepare(lambda: device_built_for(None))
     return twin
+
+
+def channels(layer: _BatchNorm) -> int:
+    """``layer``'s channel count: its ``num_features``, or where that is 0, the size of its
+    per-channel tensors. A lazy layer materialised by ``load_state_dict`` (not by a forward)
+    keeps ``num_features = 0``, also once a forward has made it a ``BatchNorm*d``: torch
+    sets it only where a forward materialises the tensors."""
+    if layer.num_features:
+        return layer.num_features
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        tensor = getattr(layer, name, None)
+        if isinstance(tensor, torch.Tensor) and not is_lazy(tensor):
+            return tensor.shape[0]
+    return 0
+
+
+def unmaterialised(module: _BatchNorm) -> bool:
+    """Whether ``module`` is a lazy BatchNorm whose channel count is not known yet (no
+    forward, no ``load_state_dict``): its twin would have none. One materialised by
+    ``load_state_dict`` keeps its lazy class until its first forward, and converts."""
+    if not isinstance(module, LazyModuleMixin):
+        return False
+    return module.has_uninitialized_params() or channels(module) == 0
+
+
+def converted_class(module: _BatchNorm) -> type[nn.Module]:
+    """The class a converted ``module`` stands for, which reverting gives back: the class
+    the user chose (a parametrized layer's class is one that torch derived), or for a
+    materialised lazy layer the class that its first forward would make it."""
+    cls = parametrize.type_before_parametrizations(module)
+    if isinstance(module, LazyModuleMixin):
+        return getattr(module, "cls_to_become", None) or cls
+    return cls
 
 
 def _takes_device(cls: type[nn.Module]) -> bool:
@@ -283,9 +324,19 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module, str], nn.Mo
     return done[id(module)][1]
 
 
+def keeps_extra_state(module: nn.Module) -> bool:
+    """Whether ``module``'s class keeps state of its own in ``state_dict``
+    (``get_extra_state``), which a twin of another class would drop."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
 def _is_plain_batchnorm(module: nn.Module, sync_class: type[Any]) -> bool:
     plain_forwards = (_BatchNorm.forward, nn.SyncBatchNorm.forward, sync_class.forward)
-    return isinstance(module, _BatchNorm) and type(module).forward in plain_forwards
+    return (
+        isinstance(module, _BatchNorm)
+        and type(module).forward in plain_forwards
+        and not keeps_extra_state(module)
+    )
 
 
 def describe_module(module: nn.Module, path: str) -> str:
@@ -312,6 +363,9 @@ class _Walk(NamedTuple):
     unconverted: list[str]
     lazy: list[str]
     computed: list[str]
+    #: the synchronized layers reached, their paths, and whether they were synchronized
+    #: already (:func:`_name` sets their names and settings)
+    named: list[tuple[Any, str, bool]]
 
 
 def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
@@ -319,7 +373,7 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     described = describe_module(module, path)
     if not isinstance(module, _BatchNorm):
         return module
-    if isinstance(module, LazyModuleMixin):  # a materialised one has become its cls_to_become
+    if unmaterialised(module):
         walk.lazy.append(described)
         return module
     if computed_parameters(module):
@@ -328,8 +382,7 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     group = walk.process_group
     if group is None:
         group = getattr(module, "process_group", None)
-    # the class the user chose (a parametrized layer's class is one that torch derived)
-    cls = parametrize.type_before_parametrizations(module)
+    cls = converted_class(module)
     # a registered converter wins, also for a class with BatchNorm's own forward
     converter = _registered_converter(cls)
     if converter is None and not _is_plain_batchnorm(module, walk.sync_class):
@@ -354,17 +407,26 @@ def _synchronized(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
 
 def _convert(module: nn.Module, path: str, walk: _Walk) -> nn.Module:
     if isinstance(module, walk.sync_class):
-        if walk.process_group is not None:
-            module.process_group = walk.process_group
-        if walk.check_layer_order is not None:
-            module.check_layer_order = walk.check_layer_order
-        module.layer_name = path
+        walk.named.append((module, path, True))
         return module
     result = _synchronized(module, path, walk)
     if isinstance(result, walk.sync_class):
-        result.layer_name = path
-        result.check_layer_order = walk.check_layer_order is not False
+        walk.named.append((result, path, False))
     return result
+
+
+def _name(layer: Any, path: str, synchronized_already: bool, walk: _Walk) -> None:
+    """Set a synchronized layer's ``layer_name`` and check settings (and a layer
+    synchronized already its process group, if one is given), once the whole model has
+    converted: a conversion that raises leaves the layers it reached as they were."""
+    if synchronized_already:
+        if walk.process_group is not None:
+            layer.process_group = walk.process_group
+        if walk.check_layer_order is not None:
+            layer.check_layer_order = walk.check_layer_order
+    else:
+        layer.check_layer_order = walk.check_layer_order is not False
+    layer.layer_name = path
 
 
 def _listed(names: list[str], limit: int = 5) -> str:
@@ -392,14 +454,17 @@ def convert_modules(
             "check_layer_order must be a bool or None, got "
             f"{type(check_layer_order).__name__} ({check_layer_order!r})"
         )
-    walk = _Walk(sync_class, process_group, check_layer_order, [], [], [])
+    walk = _Walk(sync_class, process_group, check_layer_order, [], [], [], [])
     result = replace_modules(module, lambda current, path: _convert(current, path, walk))
+    for layer, path, synchronized_already in walk.named:
+        _name(layer, path, synchronized_already, walk)
     if walk.unconverted:
         warnings.warn(
             f"convert_sync_batchnorm left {len(walk.unconverted)} BatchNorm layer(s) "
-            f"unconverted: {_listed(walk.unconverted)}. Their class overrides forward(), and "
-            "converting it would drop what that forward adds, so they keep local (per-rank) "
-            "statistics. Register a converter for the class with "
+            f"unconverted: {_listed(walk.unconverted)}. Their class overrides forward() "
+            "or keeps extra state (get_extra_state), and converting it would drop what those "
+            "add, so they keep local (per-rank) statistics. Register a converter for the "
+            "class with "
             "syncbn.register_converter(cls, to_sync, to_plain) to synchronize them.",
             stacklevel=3,
         )

@@ -74,28 +74,29 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` with :class:`syncbn.SyncBatchNorm`.
 
-    Converts ``BatchNorm1d``/``2d``/``3d``, materialised ``LazyBatchNorm*``,
-    ``torch.nn.SyncBatchNorm`` and :class:`BatchNormNd` layers, recursively. A
-    converted layer *shares* the original's Parameters and buffers (no copy), and
-    keeps its ``requires_grad`` flags, training mode, device, dtype, ``eps``,
-    ``momentum``, ``affine`` and ``track_running_stats``. Each SyncBatchNorm layer
-    gets its module path as ``layer_name`` (for error messages and the layer-order
-    check). Other norms (InstanceNorm, GroupNorm, LayerNorm) are left alone.
+    Converts ``BatchNorm1d``/``2d``/``3d``, materialised ``LazyBatchNorm*`` (by a
+    forward or ``load_state_dict``), ``torch.nn.SyncBatchNorm`` and :class:`BatchNormNd`
+    layers, recursively. A converted layer *shares* the original's Parameters and
+    buffers (no copy), and keeps its ``requires_grad`` flags, training mode, device,
+    dtype, ``eps``, ``momentum``, ``affine`` and ``track_running_stats``. Each
+    SyncBatchNorm layer gets its module path as ``layer_name`` (for error messages and
+    the layer-order check). Other norms (InstanceNorm, GroupNorm, LayerNorm) are left
+    alone.
 
     A BatchNorm subclass that overrides ``forward`` is converted by the converter
     registered for it with :func:`register_converter`. syncbn registers timm's
     ``BatchNormAct2d`` (:class:`syncbn.integrations.timm.SyncBatchNormAct2d`) the first
-    time a model holds one. A subclass with its own ``forward`` and no converter is
-    left unconverted, with one warning naming it: converting it would silently drop
-    what its ``forward`` adds. Unmaterialised lazy layers, and layers whose weight or
-    bias is computed by hooks (the hook-based ``torch.nn.utils.weight_norm``: convert
-    first), are left unconverted with a warning too; parametrizations
-    (``torch.nn.utils.parametrize``) are carried over, both ways. A layer held in several
-    places (one BatchNorm called twice) becomes one SyncBatchNorm in all of them. Each
-    converted layer remembers the class it replaced, for :func:`revert_sync_batchnorm`.
-    Hooks registered on a BatchNorm layer are not carried over, as with torch's
-    conversion. Converting a converted model again keeps its layers, and their settings
-    unless given here.
+    time a model holds one. A subclass with its own ``forward``, or with extra state
+    (``get_extra_state``), and no converter is left unconverted, with one warning naming
+    it: converting it would silently drop what its ``forward`` or that state adds.
+    Unmaterialised lazy layers, and layers whose weight or bias is computed by hooks
+    (the hook-based ``torch.nn.utils.weight_norm``: convert first), are left unconverted
+    with a warning too; parametrizations (``torch.nn.utils.parametrize``) are carried
+    over, both ways. A layer held in several places (one BatchNorm called twice) becomes
+    one SyncBatchNorm in all of them. Each converted layer remembers the class it
+    replaced, for :func:`revert_sync_batchnorm`. Hooks registered on a BatchNorm layer
+    are not carried over, as with torch's conversion. Converting a converted model again
+    keeps its layers, and their settings unless given here.
 
     Args:
         module: the model (or a single BatchNorm layer) to convert.

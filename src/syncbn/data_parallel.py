@@ -41,7 +41,6 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 
 from syncbn import _masking, _protocol
 from syncbn._autograd import (
@@ -56,9 +55,12 @@ from syncbn._composite import batch_norm_valid, mask_problem
 from syncbn._conversion import (
     batchnorm_twin,
     computed_parameters,
+    converted_class,
     describe_module,
+    keeps_extra_state,
     register_converter,
     replace_modules,
+    unmaterialised,
 )
 from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
 from syncbn.batchnorm import SyncBatchNorm, reset_without_bias
@@ -595,8 +597,9 @@ _CONVERTIBLE_FORWARDS = (_BatchNorm.forward, SyncBatchNorm.forward, nn.SyncBatch
 
 def _synchronized_class(module: _BatchNorm) -> type[_SynchronizedBatchNorm] | None:
     """The class of ``module``'s twin, or ``None`` for a module that convert_model keeps."""
+    converted = converted_class(module)  # a materialised lazy layer's BatchNorm*d
     for plain_class, sync_class in _CONVERSIONS:
-        if isinstance(module, plain_class):
+        if issubclass(converted, plain_class):
             return sync_class
     if isinstance(module, SyncBatchNorm):
         # the twin of the class revert_sync_batchnorm gives it: the class it replaced, or by
@@ -622,8 +625,7 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
         return _with_callback(module, module.module)  # (the walk converts its module)
     if not isinstance(module, _BatchNorm):
         return module
-    if isinstance(module, LazyModuleMixin):
-        # a materialised one has become its cls_to_become, a BatchNorm1d/2d/3d
+    if unmaterialised(module):
         skipped.append(
             f"{describe_module(module, path)}: it is lazy; run one forward pass first so "
             "that its parameters are materialised"
@@ -636,6 +638,12 @@ def _synchronized(module: nn.Module, path: str, skipped: list[str]) -> nn.Module
     if type(module).forward not in _CONVERTIBLE_FORWARDS:
         skipped.append(
             f"{described}: it overrides forward(), and converting it would drop that behaviour"
+        )
+        return module
+    if keeps_extra_state(module):
+        skipped.append(
+            f"{described}: it keeps extra state (get_extra_state), which a converted layer "
+            "would drop"
         )
         return module
     if computed_parameters(module):
@@ -662,8 +670,9 @@ def convert_model(module: nn.Module) -> nn.Module:
     the rank of the last input it ran on, or :class:`SynchronizedBatchNormNd` where it saw
     none (one that ran only in DataParallel's replicas), as a :class:`syncbn.BatchNormNd`
     does. A
-    subclass that overrides ``forward``, a layer whose weight or bias is computed by hooks
-    (the hook-based ``weight_norm``), or a lazy layer not yet materialised is left
+    subclass that overrides ``forward`` or keeps extra state (``get_extra_state``), a
+    layer whose weight or bias is computed by hooks (the hook-based ``weight_norm``), or a
+    lazy layer not yet materialised (by a forward or ``load_state_dict``) is left
     unconverted with a warning naming it; parametrizations (``torch.nn.utils.parametrize``)
     are carried over, shared. A layer held in several places becomes one synchronized
     layer in all of them. Every ``torch.nn.DataParallel`` in ``module`` (``module`` itself
