@@ -983,6 +983,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         options: TrainOptions,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        fake_mode = _protocol.idle_fake_mode(input)
+        if fake_mode is not None:  # fake tensors outside their mode's block: run in it
+            with fake_mode:
+                arguments = (running_mean, running_var, num_batches_tracked, options, mask)
+                return _SyncBatchNormFunction.forward(ctx, input, weight, bias, *arguments)
         result = forward_train(
             input, weight, bias, running_mean, running_var, num_batches_tracked, options, mask
         )
@@ -1002,6 +1007,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        fake_mode = _protocol.idle_fake_mode(grad_output)
+        if fake_mode is not None:  # a fake forward's backward, run after its mode's block
+            with fake_mode:
+                return _SyncBatchNormFunction.backward(ctx, grad_output)
         # grad mode is on in backward exactly when it runs with create_graph=True
         create_graph = torch.is_grad_enabled()
         needs_grad = tuple(ctx.needs_input_grad[:3])

@@ -24,6 +24,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from syncbn._compiled import device_built_for
+from syncbn._protocol import faking
 from syncbn.distributed import check_process_group
 
 __all__ = [
@@ -113,8 +114,10 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
     """A ``cls`` layer with ``source``'s settings that shares its Parameters, buffers and mode.
 
     Built on the meta device where ``cls``'s constructor takes a ``device``, so that nothing
-    is allocated before the state is shared. ``kwargs`` go to ``cls``'s constructor after
-    the five BatchNorm settings.
+    is allocated before the state is shared; under ``FakeTensorMode`` (a model converted
+    inside it, as memory estimators build models), where nothing is allocated either, and a
+    meta tensor would be a real one, which the mode refuses. ``kwargs`` go to ``cls``'s
+    constructor after the five BatchNorm settings.
     """
     settings = (
         channels(source),
@@ -123,7 +126,9 @@ def batchnorm_twin(source: _BatchNorm, cls: type[_BatchNormT], **kwargs: Any) ->
         source.affine,
         source.track_running_stats,
     )
-    if _takes_device(cls):
+    if faking():
+        twin = cls(*settings, **kwargs)  # fake tensors, replaced at once
+    elif _takes_device(cls):
         twin = cls(*settings, device="meta", **kwargs)
     else:  # a subclass whose constructor predates torch's device argument
         twin = cls(*settings, **kwargs)  # a few per-channel tensors, replaced at once

@@ -85,6 +85,7 @@ __all__ = [
     "forward_sums",
     "forward_totals",
     "header_values",
+    "idle_fake_mode",
     "on_device",
     "pack_backward",
     "pack_backward_sums",
@@ -92,6 +93,7 @@ __all__ = [
     "pack_forward_moments",
     "raise_deferred",
     "read_header",
+    "recording",
     "refuse_during_capture",
     "register_layer",
     "resolve_check_mode",
@@ -170,6 +172,30 @@ _active_fake_mode: Callable[[], Any] = (
 )
 
 
+def _proxy_mode_in_stack() -> Any:
+    """The active ``ProxyTorchDispatchMode`` (``make_fx``), on a torch that keeps no key
+    for it."""
+    from torch.fx.experimental import proxy_tensor
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, proxy_tensor.ProxyTorchDispatchMode):
+            return mode
+    return None
+
+
+_PROXY_MODE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+
+
+def recording() -> bool:
+    """Whether ``make_fx`` records the ops of this call into a graph (a
+    ``ProxyTorchDispatchMode`` is active, over fake or real tensors). A value read back to
+    the host now would be a constant of the graph at every replay (the global count of the
+    traced batch, say), so such a call reads nothing back: its checks are deferred."""
+    if _PROXY_MODE_KEY is not None:
+        return torch._C._get_dispatch_mode(_PROXY_MODE_KEY) is not None
+    return _proxy_mode_in_stack() is not None
+
+
 def faking() -> bool:
     """Whether a ``FakeTensorMode`` is active: the tensors of this call have shapes and no
     values (memory and runtime estimators run models so, as dynamo traces them).
@@ -178,6 +204,16 @@ def faking() -> bool:
     constant (:func:`constant_cache`) and leaves the real calls' deferred checks queued.
     """
     return _active_fake_mode() is not None
+
+
+def idle_fake_mode(tensor: Any) -> Any:
+    """The ``FakeTensorMode`` of a fake ``tensor`` used where no fake mode is active (the
+    backward of a forward that ran inside a ``with FakeTensorMode():`` block, run after
+    it): a call entering it is then :func:`faking`, as torch's ops are, each of which a fake
+    tensor runs in its mode. ``None`` otherwise (a real tensor, or a mode active already)."""
+    if type(tensor) is torch.Tensor or not isinstance(tensor, fake_tensor.FakeTensor):
+        return None
+    return None if faking() else tensor.fake_mode
 
 
 _Built = TypeVar("_Built", covariant=True)
@@ -808,7 +844,7 @@ def resolve_check_mode(mode: str, device: torch.device) -> str:
     """``"immediate"`` or ``"deferred"`` for a layer's ``check_mode`` on ``device``."""
     if mode not in CHECK_MODES:
         raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
-    if device.type == "meta" or faking():  # no values to read: deferred, and nothing kept
+    if device.type == "meta" or faking() or recording():  # no value to read back now
         return "deferred"
     if mode == "auto":
         return "immediate" if device.type == "cpu" else "deferred"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from syncbn._protocol import recording
+
 __all__ = [
     "global_moments",
     "moments_from_divisors",
@@ -156,6 +158,15 @@ def update_running_stats(
     """
     if not isinstance(factor, torch.Tensor) and factor == 0.0:
         return  # known on the host: nothing moves
+    if not in_graph and recording():
+        # make_fx records these ops, and its graph runs them with autograd on: a target that
+        # depends on the weight (a row stacked with the output's offset) would then need a
+        # gradient, which the out= writes below refuse
+        targets = (
+            targets.detach()
+            if isinstance(targets, torch.Tensor)
+            else (targets[0].detach(), targets[1].detach())
+        )
     runnings = (running_mean, running_var)
     if isinstance(targets, torch.Tensor):
         products = (targets * factor).unbind()[-2:]  # one kernel for every row

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from syncbn._protocol import recording
+
 __all__ = [
     "all_reduce_sum_",
     "check_alive",
@@ -314,8 +316,18 @@ def all_reduce_sum_(buffer: torch.Tensor, group: dist.ProcessGroup | None = None
     joins) are re-raised with the same type, prefixed with what syncbn was doing.
     """
     try:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        if recording():
+            _recorded_all_reduce_sum_(buffer, group)
+        else:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     except RuntimeError as error:
+        if _vectorized(error):  # not another rank's doing
+            raise type(error)(
+                "SyncBatchNorm: a synchronized training call cannot run under a torch.func "
+                "transform (vmap, jacrev, torch.autograd.functional.jacobian with "
+                "vectorize=True, ...): its collective has no batching rule. Call it "
+                f"without the transform (jacobian with vectorize=False). Backend error: {error}"
+            ) from error
         raise type(error)(
             f"SyncBatchNorm all_reduce of {buffer.numel()} values on device "
             f"'{buffer.device}' failed (backend '{dist.get_backend(group)}'). If other ranks "
@@ -323,6 +335,27 @@ def all_reduce_sum_(buffer: torch.Tensor, group: dist.ProcessGroup | None = None
             f"layer the same number of times, in the same order. Backend error: {error}"
         ) from error
     return buffer
+
+
+def _vectorized(error: RuntimeError) -> bool:
+    """Whether the collective failed because a ``vmap`` runs the call: a ``torch.func``
+    transform, or the older vmap of ``torch.autograd.functional.jacobian(vectorize=True)``,
+    which torch tells only by its error (no collective has a batching rule)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active is not None and active()) or "Batching rule not implemented" in str(error)
+
+
+def _recorded_all_reduce_sum_(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """:func:`all_reduce_sum_` where ``make_fx`` records the ops into a graph: through torch's
+    functional collectives, which it records with their wait. ``dist.all_reduce`` waits
+    on its work object, outside the ops: its graph read the sum before the collective had
+    written it (gloo runs it on a thread of its own), and gave other numbers at each run."""
+    from torch.distributed import _functional_collectives
+
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    total = _functional_collectives.all_reduce(buffer, "sum", group)
+    buffer.copy_(_functional_collectives.wait_tensor(total))
 
 
 def create_process_group(group_size: int) -> dist.ProcessGroup:
