@@ -65,8 +65,9 @@ def check_deferred() -> None:
     global count of one) is raised at this process's next synchronized call. The last
     calls of a run have no next call: call this after the final step (before saving a
     checkpoint or evaluating, say), and a problem of their collectives is raised instead
-    of lost. Every rank received the same flags, so every rank raises, except one whose
-    own call failed and raised at once.
+    of lost. Every rank of the collective received the same flags, so every rank raises,
+    except one whose own call failed and raised at once (and one that skipped the
+    collective: a backward run on the other ranks only, which wait for it).
 
     It waits for the pending checks' headers (on a GPU, for the device to reach them) and
     forgets the checks it inspected; with immediate checks nothing is pending and it
