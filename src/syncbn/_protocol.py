@@ -844,8 +844,8 @@ def resolve_check_mode(mode: str, device: torch.device) -> str:
     """``"immediate"`` or ``"deferred"`` for a layer's ``check_mode`` on ``device``."""
     if mode not in CHECK_MODES:
         raise ValueError(f"check_mode must be one of {CHECK_MODES}, got {mode!r}")
+    if mode == "deferred" or (mode == "auto" and device.type != "cpu"):
+        return "deferred"
     if device.type == "meta" or faking() or recording():  # no value to read back now
         return "deferred"
-    if mode == "auto":
-        return "immediate" if device.type == "cpu" else "deferred"
-    return mode
+    return "immediate"
