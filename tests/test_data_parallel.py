@@ -14,6 +14,7 @@ import copy
 import functools
 import inspect
 import io
+import math
 import re
 import threading
 import time
@@ -38,6 +39,7 @@ from syncbn.data_parallel import (
     SynchronizedBatchNormNd,
     _fail_fast,
     _present_devices,
+    _rendezvous_of,
     convert_model,
     execute_replication_callbacks,
     patch_replication_callback,
@@ -365,7 +367,8 @@ class FailOnBatchOfThree(nn.Module):
 
 def test_failure_outside_the_layer_releases_the_others() -> None:
     model = nn.Sequential(FailOnBatchOfThree(), SynchronizedBatchNorm1d(2))
-    replicas = _fail_fast(replicate(model, 2))  # what DataParallelWithCallback runs
+    copies = replicate(model, 2)
+    replicas = _fail_fast(copies, _rendezvous_of(copies))  # what DataParallelWithCallback runs
     sizes = [2, 3]
 
     def work(copy_id: int) -> None:
@@ -383,16 +386,66 @@ def test_a_failure_outside_the_layer_releases_the_others_through_parallel_apply(
 ) -> None:
     """DataParallelWithCallback's ``parallel_apply``, and a DataParallel patched with
     ``patch_replication_callback``, release the waiting replica at once (not after
-    ``sync_timeout``) when another raises outside the layer."""
+    ``sync_timeout``) when another raises outside the layer; the step raises that
+    replica's own error, as a model without synchronized layers would: replica 0's
+    ``RuntimeError`` (which named it) came first, and a handler of the root's type
+    (``except torch.OutOfMemoryError``) never saw it (a review, 2026-12-08)."""
     monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_in_threads)
     layer = SynchronizedBatchNorm1d(2)
     layer.sync_timeout = 30.0  # the bound should the release not come
     model = nn.Sequential(FailOnBatchOfThree(), layer)
     inputs = [(torch.randn(2, 2),), (torch.randn(3, 2),)]
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="because replica 1 raised OSError: simulated"):
+    with pytest.raises(OSError, match="simulated failure outside the BatchNorm layer"):
         _wrapped(kind, model).parallel_apply(replicate(model, 2), inputs, None)
     assert time.monotonic() - started < 10.0
+
+
+@pytest.mark.parametrize("timeout", [None, math.inf, 1e10])
+def test_a_sync_timeout_of_none_or_inf_waits_without_a_bound(timeout: float | None) -> None:
+    """Vacancy's replicas wait for each other without a bound, and a user moving from it
+    sets ``None`` or ``math.inf``: the wait raised ``TypeError`` or ``OverflowError``
+    (``Condition.wait`` takes at most ``threading.TIMEOUT_MAX``; a review, 2026-12-08)."""
+    layer = SynchronizedBatchNorm1d(3, dtype=torch.float64)
+    layer.sync_timeout = timeout
+    replicas = replicate(layer, 2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    chunks = (x[:2], x[2:])
+
+    def work(copy_id: int) -> torch.Tensor:
+        if copy_id == 1:
+            time.sleep(0.3)  # replica 0 waits for this one
+        return cast(torch.Tensor, replicas[copy_id](chunks[copy_id]))
+
+    results, errors = in_threads(work, 2)
+    assert errors == [None, None]
+    expected = nn.BatchNorm1d(3, dtype=torch.float64)(x)
+    torch.testing.assert_close(torch.cat(results), expected)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), "60", True])
+def test_a_sync_timeout_that_is_no_positive_number_is_refused_at_replication(
+    timeout: Any,
+) -> None:
+    """It was read only when a replica had to wait: a wrong value failed some steps and not
+    others, with ``TypeError`` or "timed out after -1 s"."""
+    layer = SynchronizedBatchNorm1d(3)
+    layer.sync_timeout = timeout
+    with pytest.raises(ValueError, match=r"sync_timeout must be a positive number of seconds"):
+        replicate(layer, 2)
+
+
+def test_a_replica_of_a_plain_data_parallel_warns_that_it_trains_alone() -> None:
+    """A plain ``torch.nn.DataParallel`` runs no replication callback: its replicas each
+    normalized their own slice, silently (as vacancy's do), where syncbn.SyncBatchNorm
+    warns in the same place."""
+    replicas = copies_like_replicate(SynchronizedBatchNorm1d(3), 2)
+    with pytest.warns(UserWarning, match="runs no replication callback"):
+        replicas[0](torch.randn(4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replicate(SynchronizedBatchNorm1d(3), 1)[0](torch.randn(4, 3))  # joined: no warning
+        SynchronizedBatchNorm1d(3)(torch.randn(4, 3))  # no replica at all
 
 
 class _ArrivesNextStep:

@@ -12,6 +12,7 @@ Like :mod:`syncbn.distributed`, this module knows nothing of BatchNorm: it sums 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["FailFast", "ReplicaReducer", "ReplicaRendezvous", "joined_rendezvous"]
+__all__ = [
+    "FailFast",
+    "ReplicaReducer",
+    "ReplicaRendezvous",
+    "checked_timeout",
+    "joined_rendezvous",
+]
 
 _SAME_CALLS_RULE = (
     "every replica must call each synchronized BatchNorm layer the same number of times in "
@@ -49,16 +56,19 @@ class ReplicaRendezvous:
     device; the other copies wait for that result. Every wait ends by ``timeout``.
 
     Args:
-        timeout: seconds any copy waits in one round before the rendezvous fails.
+        timeout: seconds any copy waits in one round before the rendezvous fails; ``None``
+            to wait without a bound (:func:`checked_timeout`).
         layer: the layer's class name, for error messages.
     """
 
-    def __init__(self, timeout: float, layer: str) -> None:
+    def __init__(self, timeout: float | None, layer: str) -> None:
         self.timeout = timeout
         self.layer = layer
         self._copies: set[int] = set()
         self._rounds: dict[tuple[str, int], _Round] = {}
         self._failure: str | None = None
+        #: the exception that failed the rendezvous first, where one did (not a timeout)
+        self.root_failure: BaseException | None = None
         self._cond = threading.Condition()
 
     def register(self, copy_id: int) -> None:
@@ -79,6 +89,7 @@ class ReplicaRendezvous:
         with self._cond:
             if self._failure is None:
                 self._failure = f"replica {copy_id} raised {type(error).__name__}: {error}"
+                self.root_failure = error
             self._cond.notify_all()
 
     def _check_failure(self, copy_id: int, phase: str, call_index: int) -> None:
@@ -89,7 +100,7 @@ class ReplicaRendezvous:
             )
 
     def _wait(
-        self, copy_id: int, ready: Callable[[], bool], key: tuple[str, int], deadline: float
+        self, copy_id: int, ready: Callable[[], bool], key: tuple[str, int], deadline: float | None
     ) -> None:
         """Wait, holding the condition, until ``ready()``; raise on a failure or at the deadline.
 
@@ -99,6 +110,9 @@ class ReplicaRendezvous:
         phase, call_index = key
         while not ready():
             self._check_failure(copy_id, phase, call_index)
+            if deadline is None:  # no bound: woken by the round, or by a failure
+                self._cond.wait()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(self._copies - self._rounds[key].buffers.keys())
@@ -115,7 +129,7 @@ class ReplicaRendezvous:
                 )
                 self._cond.notify_all()
                 raise RuntimeError(f"{self.layer} {self._failure}")
-            self._cond.wait(remaining)
+            self._cond.wait(min(remaining, threading.TIMEOUT_MAX))
 
     def exchange(
         self, copy_id: int, phase: str, call_index: int, buffer: torch.Tensor
@@ -129,7 +143,7 @@ class ReplicaRendezvous:
             RuntimeError: if a copy failed, or the round did not complete in time.
         """
         key = (phase, call_index)
-        deadline = time.monotonic() + self.timeout
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
             self._check_failure(copy_id, phase, call_index)
             round_ = self._rounds.setdefault(key, _Round())
@@ -196,15 +210,33 @@ class ReplicaReducer:
         self.rendezvous.abort(self.copy_id, error)
 
 
-def joined_rendezvous(ctx: Any, copy_id: int, timeout: float, layer: str) -> ReplicaRendezvous:
+def checked_timeout(timeout: Any, layer: str) -> float | None:
+    """A layer's ``sync_timeout`` as a rendezvous takes it: seconds, or ``None`` for no bound
+    (``None`` or ``math.inf``: vacancy's replicas wait without one).
+
+    Raises:
+        ValueError: neither a positive number nor ``None``.
+    """
+    if timeout is None or timeout == math.inf:
+        return None
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not number or not timeout > 0:  # (NaN is not > 0)
+        raise ValueError(
+            f"{layer}.sync_timeout must be a positive number of seconds, or None (or "
+            f"math.inf) to wait without a bound, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def joined_rendezvous(ctx: Any, copy_id: int, timeout: Any, layer: str) -> ReplicaRendezvous:
     """Join, as ``copy_id``, the rendezvous that the copies of one layer keep on their ``ctx``.
 
-    The first copy to arrive creates it with ``timeout`` (seconds) and ``layer`` (the class
-    name, for error messages).
+    The first copy to arrive creates it with ``timeout`` (a layer's ``sync_timeout``,
+    :func:`checked_timeout`) and ``layer`` (the class name, for error messages).
     """
     rendezvous = getattr(ctx, "syncbn_rendezvous", None)
     if rendezvous is None:
-        rendezvous = ReplicaRendezvous(timeout, layer)
+        rendezvous = ReplicaRendezvous(checked_timeout(timeout, layer), layer)
         ctx.syncbn_rendezvous = rendezvous
     rendezvous.register(copy_id)
     return cast(ReplicaRendezvous, rendezvous)

@@ -94,6 +94,10 @@ _STOP_RECOMPUTATION: tuple[type[Exception], ...] = tuple(
 class _SynchronizedBatchNorm(_BatchNorm):
     """Shared implementation of the ``SynchronizedBatchNorm{1,2,3}d`` layers."""
 
+    #: true on the copies that ``torch.nn.DataParallel`` runs (torch's replicate sets it
+    #: on each): a plain lookup where a copy no replication callback joined warns
+    _is_replica: bool = False
+
     def __init__(
         self,
         num_features: int,
@@ -111,7 +115,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         )
         if affine and not bias:  # as torch >= 2.13's layers take it (on any torch here)
             self.register_parameter("bias", None)
-        self.sync_timeout = DEFAULT_SYNC_TIMEOUT
+        self.sync_timeout: float | None = DEFAULT_SYNC_TIMEOUT
         # Set on replicas only, by __data_parallel_replicate__.
         self._replica_sync: ReplicaRendezvous | None = None
         self._replica_copy_id = 0
@@ -148,6 +152,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
         if mask is None:  # the mask of an enclosing syncbn.masking block, if any
             mask = _masking.layer_mask(self, input, is_compiling())
         rendezvous = self._replica_sync
+        if self._is_replica and rendezvous is None and self.training:
+            _warn_unjoined_replica(type(self).__name__)
         if not self.training or rendezvous is None or rendezvous.num_copies <= 1:
             # Not a replica among several, or not training: exactly torch's BatchNorm (with
             # a mask, that of the valid positions).
@@ -265,9 +271,10 @@ _CLASS_DOC = r"""Batch normalization over all DataParallel replicas' slices, for
             as torch >= 2.13's ``bias=False``; keyword only). Default: ``True``
 
     Attributes:
-        sync_timeout: seconds a replica waits for the others in one exchange; read
-            when DataParallel replicates the layer. Default: ``DEFAULT_SYNC_TIMEOUT``
-            (120)
+        sync_timeout: seconds a replica waits for the others in one exchange, or ``None``
+            (or ``math.inf``) to wait without a bound, as vacancy's replicas do; read
+            (and refused with a ``ValueError`` unless positive) when DataParallel
+            replicates the layer. Default: ``DEFAULT_SYNC_TIMEOUT`` (120)
 
     Shape:
         - Input: {shape}
@@ -366,18 +373,49 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
                 callback(ctx, copy_id)
 
 
-def _fail_fast(replicas: Sequence[nn.Module]) -> list[nn.Module]:
-    """Wrap replicas so that one replica's exception releases the others at once."""
+def _warn_unjoined_replica(layer: str) -> None:
+    """Warns, once per process (Python's default filter), that a replica of a plain
+    ``torch.nn.DataParallel`` trains unsynchronized: no replication callback joined its
+    copies, so each normalizes its device's slice alone (as vacancy's layers do there)."""
+    warnings.warn(
+        f"{layer}: this layer is a replica of a torch.nn.DataParallel that runs no "
+        "replication callback, so each replica normalizes its own device's slice with that "
+        "slice's statistics, not the whole batch's. Wrap the model in "
+        "DataParallelWithCallback, or call patch_replication_callback(data_parallel)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _rendezvous_of(replicas: Sequence[nn.Module]) -> list[ReplicaRendezvous]:
+    """The rendezvous of the synchronized layers of ``replicas`` (shared by all of them)."""
     if not replicas:
         return []
-    rendezvous = [
+    return [
         m._replica_sync
         for m in replicas[0].modules()
         if isinstance(m, _SynchronizedBatchNorm) and m._replica_sync is not None
     ]
+
+
+def _fail_fast(
+    replicas: Sequence[nn.Module], rendezvous: list[ReplicaRendezvous]
+) -> list[nn.Module]:
+    """Wrap replicas so that one replica's exception releases the others at once."""
     if not rendezvous:
         return list(replicas)
     return [FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
+
+
+def _root_failure(rendezvous: list[ReplicaRendezvous]) -> BaseException | None:
+    """The exception that stopped the replicas first, if one did: a released replica's
+    ``RuntimeError`` (which names it) is what ``parallel_apply`` raises where that
+    replica comes first, and a handler of the root's type (``torch.OutOfMemoryError``:
+    skip the batch) would not see it."""
+    for each in rendezvous:
+        if each.root_failure is not None:
+            return each.root_failure
+    return None
 
 
 class _InBlock(nn.Module):
@@ -503,14 +541,21 @@ def _apply_replicas(
             "replicas along the batch dimension, dim 0, but this DataParallel scatters "
             f"its inputs along dim={dim}; pass the mask to the layers instead"
         )
-    replicas = _fail_fast(replicas)
+    rendezvous = _rendezvous_of(replicas)
+    replicas = _fail_fast(replicas, rendezvous)
     if blocks is not None:  # each replica's thread opens a block of its own share
         replicas = [_InBlock(replica, block) for replica, block in zip(replicas, blocks)]
     try:
         return list(apply(replicas, inputs, kwargs))
-    except BaseException:
+    except Exception:
         # every replica has stopped, and the step's error is raised: the checks that
         # its exchanges deferred (on GPUs) would fail the next step again, and the next
+        _protocol.discard_pending("replicas")
+        root = _root_failure(rendezvous)
+        if root is None or not isinstance(root, Exception):
+            raise
+        raise root from None  # the error of the replica that failed first, as it was raised
+    except BaseException:
         _protocol.discard_pending("replicas")
         raise
 
@@ -767,6 +812,7 @@ def _to_plain(layer: SyncBatchNorm) -> _SynchronizedBatchNorm:
     return twin
 
 
-def _kept_sync_timeout(layer: SyncBatchNorm) -> float:
+def _kept_sync_timeout(layer: SyncBatchNorm) -> float | None:
     """The ``sync_timeout`` of the layer that ``layer`` was converted from, or the default."""
-    return float(layer.__dict__.get(_SYNC_TIMEOUT_KEPT, DEFAULT_SYNC_TIMEOUT))
+    kept = layer.__dict__.get(_SYNC_TIMEOUT_KEPT, DEFAULT_SYNC_TIMEOUT)
+    return None if kept is None else float(kept)
