@@ -176,12 +176,12 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     through its converter's ``to_plain``), whether or not it saw an input since. A
     SyncBatchNorm built directly becomes ``BatchNorm1d``, ``2d`` or ``3d`` according
     to the rank of the last input it ran on (2 or 3 dims, 4, 5), or :class:`BatchNormNd`
-    if it never saw an input; a subclass built directly whose ``forward`` adds to
-    SyncBatchNorm's is left as it is, with a warning, and so is a layer whose weight or
-    bias is computed by hooks (the hook-based ``weight_norm``). The new layer shares the
-    Parameters and buffers, and the parametrizations (``torch.nn.utils.parametrize``), so
-    ``state_dict`` is identical before and after; training mode and the other settings
-    are kept.
+    if it never saw an input (or one of more dimensions); a subclass built directly whose
+    ``forward`` adds to SyncBatchNorm's is left as it is, with a warning, and so is a
+    layer whose weight or bias is computed by hooks (the hook-based ``weight_norm``). The
+    new layer shares the Parameters and buffers, and the parametrizations
+    (``torch.nn.utils.parametrize``), so ``state_dict`` is identical before and after;
+    training mode and the other settings are kept.
 
     Args:
         module: the model (or a single SyncBatchNorm layer) to revert.
