@@ -12,16 +12,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import inspect
 import io
 import math
 import re
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, cast
 
+import numpy as np
 import pytest
 import torch
 import torch.fx
@@ -401,11 +405,122 @@ def test_a_failure_outside_the_layer_releases_the_others_through_parallel_apply(
     assert time.monotonic() - started < 10.0
 
 
-@pytest.mark.parametrize("timeout", [None, math.inf, 1e10])
-def test_a_sync_timeout_of_none_or_inf_waits_without_a_bound(timeout: float | None) -> None:
+class _WidenOnBatchOfThree(nn.Module):
+    """Gives the next layer one channel too many on the replica of batch 3, which that
+    layer refuses (a ValueError of its own input check), after an earlier layer's call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x[:, :1]], 1) if x.shape[0] == 3 else x
+
+
+class _Wrapped(nn.Module):
+    """A wrapper (a logging or timing module, say) whose exit takes a moment on the
+    replica of batch 3: the other replica's thread runs meanwhile."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return cast(torch.Tensor, self.module(x))
+        finally:
+            if x.shape[0] == 3:
+                time.sleep(0)
+
+
+def parallel_apply_like_torch(
+    self: nn.DataParallel, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any
+) -> list[Any]:
+    """``torch.nn.DataParallel.parallel_apply`` on CPU threads, as torch raises a replica's
+    error: the first in replica order, wrapped (``ExceptionWrapper``: its type, and its
+    traceback as text)."""
+    from torch._utils import ExceptionWrapper
+
+    results: list[Any] = [None] * len(replicas)
+
+    def work(copy_id: int) -> None:
+        try:
+            results[copy_id] = replicas[copy_id](*inputs[copy_id])
+        except Exception:
+            results[copy_id] = ExceptionWrapper(where=f"in replica {copy_id}")
+
+    in_threads(work, len(replicas))
+    for result in results:
+        if isinstance(result, ExceptionWrapper):
+            result.reraise()
+    return results
+
+
+def test_the_step_raises_the_failed_replicas_error_whichever_thread_is_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replica 1 fails in the second synchronized layer; replica 0, released there, then
+    aborts the first layer's rendezvous too, racing replica 1's own abort of it: the
+    released replica's RuntimeError became the root in 12 of 20 steps (38 of 50 with a
+    short switch interval), and the step raised it (a review, 2026-12-08)."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_like_torch)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave at every chance
+    try:
+        raised = []
+        for _ in range(20):
+            failing = nn.Sequential(_WidenOnBatchOfThree(), SynchronizedBatchNorm1d(2))
+            model = nn.Sequential(SynchronizedBatchNorm1d(2), _Wrapped(failing))
+            inputs = [(torch.randn(2, 2),), (torch.randn(3, 2),)]
+            with pytest.raises(Exception) as caught:
+                DataParallelWithCallback(model).parallel_apply(replicate(model, 2), inputs, None)
+            raised.append(type(caught.value).__name__)
+    finally:
+        sys.setswitchinterval(interval)
+    assert raised == ["ValueError"] * 20
+
+
+class _HoldsActivations(nn.Module):
+    """An activation per call, watched through weak references; fails on batch 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activations: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        activation = torch.empty(1_000_000)
+        self.activations.append(weakref.ref(activation))
+        if x.shape[0] == 3:
+            raise OSError("simulated out of memory")
+        return x
+
+
+def test_a_handled_failed_step_keeps_no_activation_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raised again as it was raised in its replica, the root error kept that replica's
+    frames (its activations) alive in reference cycles, through the rendezvous that kept
+    it, until the cyclic collector ran: ``except torch.OutOfMemoryError: empty_cache()``
+    could not free them (a review, 2026-12-08). It is raised as torch raises a replica's
+    error, its traceback as text, and forgotten by the rendezvous."""
+    monkeypatch.setattr(nn.DataParallel, "parallel_apply", parallel_apply_like_torch)
+    holder = _HoldsActivations()
+    model = nn.Sequential(SynchronizedBatchNorm1d(2), holder, SynchronizedBatchNorm1d(2))
+    data_parallel = DataParallelWithCallback(model)
+    gc.disable()
+    try:
+        for _ in range(3):
+            inputs = [(torch.randn(2, 2),), (torch.randn(3, 2),)]
+            with pytest.raises(OSError, match="simulated out of memory"):
+                data_parallel.parallel_apply(replicate(model, 2), inputs, None)
+        alive = [ref for ref in holder.activations if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(holder.activations) == 6 and alive == []
+
+
+@pytest.mark.parametrize(
+    "timeout", [None, math.inf, 1e10, np.int64(60), torch.tensor(60.0)], ids=str
+)
+def test_a_sync_timeout_of_none_or_inf_waits_without_a_bound(timeout: Any) -> None:
     """Vacancy's replicas wait for each other without a bound, and a user moving from it
     sets ``None`` or ``math.inf``: the wait raised ``TypeError`` or ``OverflowError``
-    (``Condition.wait`` takes at most ``threading.TIMEOUT_MAX``; a review, 2026-12-08)."""
+    (``Condition.wait`` takes at most ``threading.TIMEOUT_MAX``; a review, 2026-12-08).
+    Numbers of other types (numpy's, a 0-dim tensor) are seconds too."""
     layer = SynchronizedBatchNorm1d(3, dtype=torch.float64)
     layer.sync_timeout = timeout
     replicas = replicate(layer, 2)
@@ -423,7 +538,7 @@ def test_a_sync_timeout_of_none_or_inf_waits_without_a_bound(timeout: float | No
     torch.testing.assert_close(torch.cat(results), expected)
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), "60", True])
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), "60", True, 10**400])
 def test_a_sync_timeout_that_is_no_positive_number_is_refused_at_replication(
     timeout: Any,
 ) -> None:

@@ -189,6 +189,38 @@ def test_a_low_precision_backward_off_the_cpu_converts_its_input_once(masked: bo
     assert sorted(conversions, key=str) == [widened, widened, narrowed], conversions
 
 
+def test_a_failure_of_the_low_precision_backwards_float32_copy_joins_the_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """That copy is the backward's largest allocation, so the likeliest to run out of
+    memory: made before the block that joins the collective with the error flag (a review,
+    2026-12-08), it failed on its rank alone, and the other ranks waited in their backward
+    collective until the process group's timeout."""
+    joined: list[str] = []
+
+    class Reducer(LocalReducer):
+        def all_reduce(self, buffer: torch.Tensor, phase: str) -> torch.Tensor:
+            joined.append(phase)
+            return super().all_reduce(buffer, phase)
+
+    meta = torch.device("meta")
+    x = torch.empty(4, 8, 3, 3, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    options = TrainOptions(Reducer(), LayerInfo("low", 8, check_mode="deferred"))
+    y = train_call(x, None, None, options, None, None, None)
+    joined.clear()
+    widen = torch.Tensor.to
+
+    def out_of_memory(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.shape == x.shape and tensor.dtype == torch.bfloat16:
+            raise torch.OutOfMemoryError("simulated: the float32 copy")
+        return widen(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="the float32 copy"):
+        torch.autograd.grad(y, x, torch.empty_like(y))
+    assert joined == ["backward"]
+
+
 #: kernels per call of the compiled ops' bodies, forward by check mode, and backward
 COMPILED_BUDGETS = {"immediate": 6, "deferred": 9, "backward": 4}
 

@@ -43,6 +43,24 @@ def test_a_model_converts_and_reverts_inside_fake_tensor_mode() -> None:
         assert type(model[1]) is nn.BatchNorm2d and model[1].weight is layer.weight
 
 
+def test_a_real_model_converted_inside_fake_tensor_mode_stays_real() -> None:
+    """A real model converted inside the mode (an estimator that converts the user's
+    model in its block): the twin shares the real tensors, but kept the fake site tensor
+    it was built with, and its first compiled call failed ("Please convert all Tensors to
+    FakeTensors first"; a review, 2026-12-08)."""
+    model = _model()
+    with FakeTensorMode():
+        syncbn.convert_sync_batchnorm(model)
+    layer = model[1]
+    assert isinstance(layer, syncbn.SyncBatchNorm)
+    assert type(layer.weight.data) is torch.Tensor and type(layer._site) is torch.Tensor
+    x, mask = torch.randn(2, 3, 5, 5), torch.rand(2, 5, 5) < 0.7
+    compiled = torch.compile(
+        lambda x, m: layer(model[0](x), m), fullgraph=True, backend="aot_eager"
+    )
+    torch.testing.assert_close(compiled(x, mask), layer(model[0](x), mask))
+
+
 def _local_call(path: str) -> Any:
     """A layer call by ``path`` on ``(4, 4, 5, 5)`` inputs: masked (no process group:
     syncbn's own path), or synchronized (one process, the reducer that sums nothing)."""

@@ -890,11 +890,6 @@ def backward_train(
     need_input, need_weight, need_bias = needs_grad
     mean, var = saved[0], saved[1]
     kernels = kernels_for(input.device)
-    if shift is None and input.device.type != "cpu" and input.dtype != saved.dtype:
-        # low precision off the CPU: the local sums and the input gradient both compute
-        # on a float32 copy of the input (see the kernels' backward_reduce), made once here
-        # rather than once by each (one pass less over the input)
-        input = input.to(saved.dtype)
     fused = None
     if need_input:  # before the collective, as in forward (see resolve_mode)
         if resolve_mode(options, saved.device) == "deferred":
@@ -908,6 +903,12 @@ def backward_train(
     with join_on_error(options, "backward", saved.device, enabled=need_input):
         if create_graph:
             raise double_backward_error()
+        if shift is None and input.device.type != "cpu" and input.dtype != saved.dtype:
+            # low precision off the CPU: the local sums and the input gradient both compute
+            # on a float32 copy of the input (see the kernels' backward_reduce), made once
+            # here rather than once by each (one pass less over the input); the backward's
+            # largest allocation, so inside the block that tells the other ranks if it fails
+            input = input.to(saved.dtype)
         if passes is not None and shift is not None:
             sum_dy, sum_dy_xhat = passes.backward_reduce(
                 grad_output, input, valid, shift, saved, epsilon

@@ -86,6 +86,7 @@ __all__ = [
     "forward_totals",
     "header_values",
     "idle_fake_mode",
+    "is_fake",
     "on_device",
     "pack_backward",
     "pack_backward_sums",
@@ -93,6 +94,7 @@ __all__ = [
     "pack_forward_moments",
     "raise_deferred",
     "read_header",
+    "real_tensors",
     "recording",
     "refuse_during_capture",
     "register_layer",
@@ -214,6 +216,20 @@ def idle_fake_mode(tensor: Any) -> Any:
     if type(tensor) is torch.Tensor or not isinstance(tensor, fake_tensor.FakeTensor):
         return None
     return None if faking() else tensor.fake_mode
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``FakeTensor`` (shapes, no values)."""
+    return type(tensor) is not torch.Tensor and isinstance(tensor, fake_tensor.FakeTensor)
+
+
+def real_tensors() -> Any:
+    """A context in which tensors are real although a ``FakeTensorMode`` is active: for a
+    real layer's own state built inside the mode (a real model converted there)."""
+    unset = getattr(fake_tensor, "unset_fake_temporarily", None)
+    if unset is not None:
+        return unset()
+    return torch.utils._python_dispatch._disable_current_modes()  # torch < 2.2
 
 
 _Built = TypeVar("_Built", covariant=True)

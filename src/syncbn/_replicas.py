@@ -25,6 +25,7 @@ from torch import nn
 __all__ = [
     "FailFast",
     "ReplicaReducer",
+    "ReplicaReleased",
     "ReplicaRendezvous",
     "checked_timeout",
     "joined_rendezvous",
@@ -34,6 +35,11 @@ _SAME_CALLS_RULE = (
     "every replica must call each synchronized BatchNorm layer the same number of times in "
     "forward, and the same layers must receive gradients on every replica in backward"
 )
+
+
+class ReplicaReleased(RuntimeError):
+    """What a replica raises when the rendezvous failed because of another replica (or a
+    timeout): it is released, and names that failure, which is the step's root."""
 
 
 class _Round:
@@ -67,8 +73,10 @@ class ReplicaRendezvous:
         self._copies: set[int] = set()
         self._rounds: dict[tuple[str, int], _Round] = {}
         self._failure: str | None = None
-        #: the exception that failed the rendezvous first, where one did (not a timeout)
-        self.root_failure: BaseException | None = None
+        #: the first exception that failed the rendezvous that is no replica's release
+        #: (:class:`ReplicaReleased`), and the copy that raised it; read and forgotten by
+        #: :func:`syncbn.data_parallel._apply_replicas` after the step
+        self.root_failure: tuple[BaseException, int] | None = None
         self._cond = threading.Condition()
 
     def register(self, copy_id: int) -> None:
@@ -84,17 +92,26 @@ class ReplicaRendezvous:
         """Fail the rendezvous: every copy waiting now or later raises, naming ``error``.
 
         Only the first failure is kept, so aborting again (as the released copies do) is
-        harmless.
+        harmless. The released copies' errors are not the root: a released copy may abort
+        another layer's rendezvous before the copy that failed does (their threads race).
         """
         with self._cond:
             if self._failure is None:
                 self._failure = f"replica {copy_id} raised {type(error).__name__}: {error}"
-                self.root_failure = error
+            if self.root_failure is None and not isinstance(error, ReplicaReleased):
+                self.root_failure = (error, copy_id)
             self._cond.notify_all()
+
+    def forget_root_failure(self) -> tuple[BaseException, int] | None:
+        """The root failure, forgotten here: its traceback holds the failed replica's
+        frames (its activations), which the rendezvous would keep alive."""
+        with self._cond:
+            root, self.root_failure = self.root_failure, None
+        return root
 
     def _check_failure(self, copy_id: int, phase: str, call_index: int) -> None:
         if self._failure is not None:
-            raise RuntimeError(
+            raise ReplicaReleased(
                 f"{self.layer} replica {copy_id} stopped in {phase} (call {call_index}) "
                 f"because {self._failure}"
             )
@@ -217,15 +234,21 @@ def checked_timeout(timeout: Any, layer: str) -> float | None:
     Raises:
         ValueError: neither a positive number nor ``None``.
     """
-    if timeout is None or timeout == math.inf:
+    if timeout is None:
         return None
-    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-    if not number or not timeout > 0:  # (NaN is not > 0)
-        raise ValueError(
-            f"{layer}.sync_timeout must be a positive number of seconds, or None (or "
-            f"math.inf) to wait without a bound, got {timeout!r}"
-        )
-    return float(timeout)
+    problem = ValueError(
+        f"{layer}.sync_timeout must be a positive number of seconds, or None (or math.inf) "
+        f"to wait without a bound, got {timeout!r}"
+    )
+    if isinstance(timeout, (bool, str, bytes)):
+        raise problem
+    try:
+        seconds = float(timeout)  # numpy's numbers and 0-dim tensors too
+    except (TypeError, ValueError, OverflowError):
+        raise problem from None
+    if not seconds > 0:  # (NaN is not > 0)
+        raise problem
+    return None if seconds == math.inf else seconds
 
 
 def joined_rendezvous(ctx: Any, copy_id: int, timeout: Any, layer: str) -> ReplicaRendezvous:

@@ -258,7 +258,9 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         tensors, the layer's site tensor (:func:`syncbn._compiled.site_tensor`, a new one
         if it is elsewhere) and the device's order token (:func:`syncbn._compiled.order_token`;
         a graph that created it would recompile). A layer without per-channel tensors keeps
-        its site tensor on ``device_without_tensors()``, else where it is.
+        its site tensor on ``device_without_tensors()``, else where it is. Fake per-channel
+        tensors get a fake site tensor, real ones a real one, also where a real layer's
+        twin is built inside a ``FakeTensorMode`` (a real model converted there).
         """
         site = self.__dict__.get("_site")  # none yet in __init__ and __setstate__
         per_channel = first_given(self.weight, self.bias, self.running_mean, self.running_var)
@@ -268,7 +270,17 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
             device = device_without_tensors()
         else:
             device = _compiled.device_built_for(None) if site is None else site.device
-        if site is None or site.device != device:
+        real = per_channel is not None and not _protocol.is_fake(per_channel)
+        if real and _protocol.faking():
+            with _protocol.real_tensors():
+                self._prepare_site(site, device, real)
+        else:
+            self._prepare_site(site, device, real)
+
+    def _prepare_site(self, site: torch.Tensor | None, device: torch.device, real: bool) -> None:
+        """:meth:`_prepare_compiled_state`'s site tensor and order token on ``device`` (a
+        new site tensor where ``site`` is elsewhere, or fake where the layer is ``real``)."""
+        if site is None or site.device != device or (real and _protocol.is_fake(site)):
             key = None if site is None else _compiled.site_key(site)
             self._site = _compiled.site_tensor(self, device, key)
         if device.type != "meta" and _compiled.FULLGRAPH:

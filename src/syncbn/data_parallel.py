@@ -24,7 +24,8 @@ gradients flow through the global statistics. The only difference from
 :class:`syncbn.SyncBatchNorm` is the collective: an in-process rendezvous between
 replica threads instead of a ``torch.distributed`` all_reduce.
 
-Every wait is bounded by the layer's ``sync_timeout`` (seconds); a replica that fails
+Every wait is bounded by the layer's ``sync_timeout`` (seconds; ``None`` for no bound,
+as vacancy's replicas wait); a replica that fails
 (in the layer or, under :class:`DataParallelWithCallback` or a patched DataParallel,
 anywhere in its forward) releases the other replicas at once with an error naming the
 failure.
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch._utils import ExceptionWrapper
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn import _masking, _protocol
@@ -62,7 +64,13 @@ from syncbn._conversion import (
     replace_modules,
     unmaterialised,
 )
-from syncbn._replicas import FailFast, ReplicaReducer, ReplicaRendezvous, joined_rendezvous
+from syncbn._replicas import (
+    FailFast,
+    ReplicaReducer,
+    ReplicaReleased,
+    ReplicaRendezvous,
+    joined_rendezvous,
+)
 from syncbn.batchnorm import SyncBatchNorm, reset_without_bias
 from syncbn.convert import BatchNormNd, _batchnorm_class
 
@@ -380,8 +388,9 @@ def _warn_unjoined_replica(layer: str) -> None:
     warnings.warn(
         f"{layer}: this layer is a replica of a torch.nn.DataParallel that runs no "
         "replication callback, so each replica normalizes its own device's slice with that "
-        "slice's statistics, not the whole batch's. Wrap the model in "
-        "DataParallelWithCallback, or call patch_replication_callback(data_parallel)",
+        "slice's statistics (the whole batch's only where the batch made one replica). "
+        "Wrap the model in DataParallelWithCallback, or call "
+        "patch_replication_callback(data_parallel)",
         UserWarning,
         stacklevel=3,
     )
@@ -407,15 +416,24 @@ def _fail_fast(
     return [FailFast(replica, i, rendezvous) for i, replica in enumerate(replicas)]
 
 
-def _root_failure(rendezvous: list[ReplicaRendezvous]) -> BaseException | None:
-    """The exception that stopped the replicas first, if one did: a released replica's
-    ``RuntimeError`` (which names it) is what ``parallel_apply`` raises where that
-    replica comes first, and a handler of the root's type (``torch.OutOfMemoryError``:
-    skip the batch) would not see it."""
-    for each in rendezvous:
-        if each.root_failure is not None:
-            return each.root_failure
-    return None
+def _root_failure(rendezvous: list[ReplicaRendezvous]) -> ExceptionWrapper | None:
+    """The exception that stopped the replicas, if one did, wrapped as ``parallel_apply``
+    wraps a replica's (its type, and its traceback as text); forgotten by every
+    rendezvous.
+
+    A released replica's error (:class:`~syncbn._replicas.ReplicaReleased`, which names the
+    root) is what ``parallel_apply`` raises where that replica comes first, and a handler
+    of the root's type (``except torch.OutOfMemoryError``: skip the batch) would not see
+    it. The root itself is not raised again: its traceback holds the failed replica's
+    frames, whose activations a handler that frees memory (``empty_cache``) wants gone.
+    """
+    roots = [root for each in rendezvous if (root := each.forget_root_failure()) is not None]
+    if not roots:
+        return None
+    error, copy_id = roots[0]  # each rendezvous keeps that step's one root, or none
+    if not isinstance(error, Exception):
+        return None
+    return ExceptionWrapper((type(error), error, error.__traceback__), f"in replica {copy_id}")
 
 
 class _InBlock(nn.Module):
@@ -547,17 +565,16 @@ def _apply_replicas(
         replicas = [_InBlock(replica, block) for replica, block in zip(replicas, blocks)]
     try:
         return list(apply(replicas, inputs, kwargs))
-    except Exception:
+    except BaseException as error:
         # every replica has stopped, and the step's error is raised: the checks that
         # its exchanges deferred (on GPUs) would fail the next step again, and the next
         _protocol.discard_pending("replicas")
         root = _root_failure(rendezvous)
-        if root is None or not isinstance(root, Exception):
+        if root is None or not isinstance(error, ReplicaReleased):
             raise
-        raise root from None  # the error of the replica that failed first, as it was raised
-    except BaseException:
-        _protocol.discard_pending("replicas")
-        raise
+    # outside the handler, so that it is not chained to the released replica's error
+    root.reraise()
+    raise AssertionError("ExceptionWrapper.reraise() returned")
 
 
 def _replicate_with_callbacks(
