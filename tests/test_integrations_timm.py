@@ -155,15 +155,26 @@ def test_convert_and_revert_keep_act_and_drop_modules() -> None:
 
 
 def test_timm_sync_batchnorm_act_converts_and_reverts_to_itself() -> None:
-    """What timm's own convert_sync_batchnorm made (torch.nn.SyncBatchNorm: no CPU training)."""
-    model = timm.layers.convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(4, act_layer="silu")))
+    """What timm's own convert_sync_batchnorm made (torch.nn.SyncBatchNorm: no CPU training).
+    Its children, ``act`` before ``drop``, keep that order both ways: the constructors make
+    ``drop`` first, and a round trip swapped them in the module tree (a review,
+    2026-12-08)."""
+    layer = BatchNormAct2d(4, act_layer="silu", drop_layer=nn.Dropout)
+    model = timm.layers.convert_sync_batchnorm(nn.Sequential(layer))
     act = model[0].act
     assert type(model[0]) is SyncBatchNormAct
+    order = list(model[0]._modules)
+    assert order == ["act", "drop"], order  # timm's conversion's order (the premise)
     _convert_quietly(model)
     assert type(model[0]) is SyncBatchNormAct2d and model[0].act is act
+    assert list(model[0]._modules) == order
     model(torch.randn(2, 4, 3, 3))  # trains on CPU
     syncbn.revert_sync_batchnorm(model)
     assert type(model[0]) is SyncBatchNormAct and model[0].act is act
+    assert list(model[0]._modules) == order
+    plain = nn.Sequential(BatchNormAct2d(4, act_layer="silu", drop_layer=nn.Dropout))
+    syncbn.revert_sync_batchnorm(_convert_quietly(plain))
+    assert list(plain[0]._modules) == ["drop", "act"]  # BatchNormAct2d's own order
 
 
 class UserBatchNormAct2d(BatchNormAct2d):  # type: ignore[misc,valid-type]

@@ -148,7 +148,17 @@ def _norm_act_to_sync(module: _BatchNorm) -> SyncBatchNormAct2d:
     for name in ("drop", "act"):
         if isinstance(getattr(module, name, None), nn.Module):
             setattr(layer, name, getattr(module, name))
+    _in_order_of(layer, module)
     return layer
+
+
+def _in_order_of(target: nn.Module, source: nn.Module) -> None:
+    """Put the children ``target`` shares with ``source`` in ``source``'s order: timm's
+    ``SyncBatchNormAct`` (made by timm's conversion) holds ``act`` before ``drop``, where
+    ``BatchNormAct2d``'s constructor, and this module's, make ``drop`` first; a round trip
+    kept the module tree (``named_modules``, the repr) in the constructor's order."""
+    for name in [name for name in source._modules if name in target._modules]:
+        target._modules[name] = target._modules.pop(name)  # to the end, in source's order
 
 
 def _original_class(layer: SyncBatchNormAct2d, registered: type[_BatchNorm]) -> type[_BatchNorm]:
@@ -163,6 +173,7 @@ def _to_batchnorm_act(layer: SyncBatchNormAct2d) -> nn.Module:
     module = batchnorm_twin(layer, _original_class(layer, BatchNormAct2d), apply_act=False)
     module.drop = layer.drop
     module.act = layer.act
+    _in_order_of(module, layer)
     return module
 
 
@@ -172,6 +183,7 @@ def _to_timm_sync_batchnorm_act(layer: SyncBatchNormAct2d) -> nn.Module:
     module = batchnorm_twin(layer, original, process_group=layer.process_group)
     module.drop = layer.drop
     module.act = layer.act
+    _in_order_of(module, layer)
     return module
 
 
