@@ -298,7 +298,8 @@ def test_a_training_call_under_fake_tensor_mode_leaves_real_calls_undisturbed(
     real_steps()  # real constants in the caches, a real check pending where deferred
     with FakeTensorMode() as fake_mode:  # refuses real tensors: the model and batch are fake
         # found by its key, and by the search of a torch that has none (the same mode)
-        assert _protocol.faking() and _protocol._fake_mode_in_stack() is fake_mode
+        in_stack = _protocol._active_mode("NO_SUCH_KEY", lambda: FakeTensorMode)
+        assert _protocol.faking() and in_stack() is fake_mode
         x = torch.empty(4, 3, 5, 6).to(memory_format=torch.channels_last).requires_grad_()
         layer, reference = syncbn.SyncBatchNorm(3), nn.BatchNorm2d(3)
         layer.check_mode = check_mode

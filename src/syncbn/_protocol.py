@@ -157,35 +157,34 @@ _described_lock = threading.Lock()
 _BACKWARD_PHASES = (("backward", "in backward"), (COMPILED_BACKWARD, "in a compiled backward"))
 
 
-def _fake_mode_in_stack() -> Any:
-    """The active ``FakeTensorMode``, on a torch that keeps no key for it."""
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, fake_tensor.FakeTensorMode):
-            return mode
-    return None
+def _active_mode(key: str, mode_class: Callable[[], type]) -> Callable[[], Any]:
+    """A function returning the active dispatch mode that torch keeps under
+    ``_TorchDispatchModeKey.<key>`` (one C call), or ``None``; on a torch that keeps no such
+    key, one that searches the mode stack for a ``mode_class()``."""
+    torch_key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), key, None)
+    if torch_key is not None:
+        return functools.partial(torch._C._get_dispatch_mode, torch_key)
+
+    def in_stack() -> Any:
+        cls = mode_class()
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, cls):
+                return mode
+        return None
+
+    return in_stack
 
 
-_FAKE_MODE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
-#: the active ``FakeTensorMode``, or ``None`` (one C call where torch keeps it under a key)
-_active_fake_mode: Callable[[], Any] = (
-    _fake_mode_in_stack
-    if _FAKE_MODE_KEY is None
-    else functools.partial(torch._C._get_dispatch_mode, _FAKE_MODE_KEY)
-)
+def _proxy_mode_class() -> type:
+    from torch.fx.experimental import proxy_tensor  # (imported where it is asked for)
+
+    return proxy_tensor.ProxyTorchDispatchMode
 
 
-def _proxy_mode_in_stack() -> Any:
-    """The active ``ProxyTorchDispatchMode`` (``make_fx``), on a torch that keeps no key
-    for it."""
-    from torch.fx.experimental import proxy_tensor
-
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, proxy_tensor.ProxyTorchDispatchMode):
-            return mode
-    return None
-
-
-_PROXY_MODE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+#: the active ``FakeTensorMode``, or ``None``
+_active_fake_mode = _active_mode("FAKE", lambda: fake_tensor.FakeTensorMode)
+#: the active ``ProxyTorchDispatchMode`` (``make_fx``), or ``None``
+_active_proxy_mode = _active_mode("PROXY", _proxy_mode_class)
 
 
 def recording() -> bool:
@@ -193,9 +192,7 @@ def recording() -> bool:
     ``ProxyTorchDispatchMode`` is active, over fake or real tensors). A value read back to
     the host now would be a constant of the graph at every replay (the global count of the
     traced batch, say), so such a call reads nothing back: its checks are deferred."""
-    if _PROXY_MODE_KEY is not None:
-        return torch._C._get_dispatch_mode(_PROXY_MODE_KEY) is not None
-    return _proxy_mode_in_stack() is not None
+    return _active_proxy_mode() is not None
 
 
 def faking() -> bool:
@@ -213,9 +210,7 @@ def idle_fake_mode(tensor: Any) -> Any:
     backward of a forward that ran inside a ``with FakeTensorMode():`` block, run after
     it): a call entering it is then :func:`faking`, as torch's ops are, each of which a fake
     tensor runs in its mode. ``None`` otherwise (a real tensor, or a mode active already)."""
-    if type(tensor) is torch.Tensor or not isinstance(tensor, fake_tensor.FakeTensor):
-        return None
-    return None if faking() else tensor.fake_mode
+    return tensor.fake_mode if is_fake(tensor) and not faking() else None
 
 
 def is_fake(tensor: Any) -> bool:

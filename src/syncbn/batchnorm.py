@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -271,20 +272,14 @@ class SyncBatchNorm(LayerIdentity, _BatchNorm):
         else:
             device = _compiled.device_built_for(None) if site is None else site.device
         real = per_channel is not None and not _protocol.is_fake(per_channel)
-        if real and _protocol.faking():
-            with _protocol.real_tensors():
-                self._prepare_site(site, device, real)
-        else:
-            self._prepare_site(site, device, real)
-
-    def _prepare_site(self, site: torch.Tensor | None, device: torch.device, real: bool) -> None:
-        """:meth:`_prepare_compiled_state`'s site tensor and order token on ``device`` (a
-        new site tensor where ``site`` is elsewhere, or fake where the layer is ``real``)."""
-        if site is None or site.device != device or (real and _protocol.is_fake(site)):
-            key = None if site is None else _compiled.site_key(site)
-            self._site = _compiled.site_tensor(self, device, key)
-        if device.type != "meta" and _compiled.FULLGRAPH:
-            _compiled.prepare_order_token(device)
+        # a real layer's state stays real where it is built inside a FakeTensorMode
+        built = _protocol.real_tensors() if real and _protocol.faking() else nullcontext()
+        with built:
+            if site is None or site.device != device or (real and _protocol.is_fake(site)):
+                key = None if site is None else _compiled.site_key(site)
+                self._site = _compiled.site_tensor(self, device, key)
+            if device.type != "meta" and _compiled.FULLGRAPH:
+                _compiled.prepare_order_token(device)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         """The default deep copy, except that the copy shares the process group.
